@@ -1,0 +1,31 @@
+//! The crate's one error type; the Python layer maps each variant to an exception in one place.
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// An argument is out of its domain; the message names the argument and its value.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A request id the index has no chain for.
+    #[error("unknown request id {0:?}")]
+    UnknownRequest(String),
+    /// A ticket id that is not in flight (already completed or aborted, or never issued).
+    #[error("unknown ticket {0}")]
+    UnknownTicket(u64),
+    /// A lookup's pages or state were evicted before the load began.
+    #[error("lookup of request {0:?} is stale: its pages or state left the host pool")]
+    Stale(String),
+    /// An internal consistency check failed (never expected; reported rather than panicking).
+    #[error("invariant violated: {0}")]
+    Invariant(String),
+    /// A copy could not be launched or failed (CUDA error string or OS error).
+    #[error("{0}")]
+    Copy(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Shorthand for an `InvalidArgument` error.
+pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}

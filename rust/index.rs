@@ -1,0 +1,414 @@
+//! The index: per-request chains, the page and state pools, lookup / load / store planning and completion.
+//!
+//! Nothing here copies bytes. A plan names host slots; the caller copies and then reports the ticket complete
+//! (entries become ready, references drop) or aborted (new entries are discarded).
+use std::collections::HashMap;
+
+use crate::chain::{check_tokens, BlockHasher, Chain, HashKind, Key};
+use crate::error::{invalid, Error, Result};
+use crate::pool::Pool;
+use crate::stats::Stats;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub page_slots: u32,
+    pub state_slots: u32,
+    pub block_size: usize,
+    /// Prompt suffix the engine always recomputes (>= 1).
+    pub keep_tokens: usize,
+    /// Hits shorter than this are misses.
+    pub min_hit_tokens: usize,
+    /// States are stored at this many of the deepest block boundaries of a prompt.
+    pub state_lookback_blocks: usize,
+    /// A state at boundary b can be taken only while b >= seq_len - ring_slack.
+    pub ring_slack: usize,
+    pub hash_kind: HashKind,
+    pub hash_key: Vec<u8>,
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<()> {
+        if self.page_slots == 0 {
+            return Err(invalid("page_slots must be > 0, got 0"));
+        }
+        if self.block_size == 0 {
+            return Err(invalid("block_size must be > 0, got 0"));
+        }
+        if self.keep_tokens == 0 {
+            return Err(invalid("keep_tokens must be >= 1, got 0"));
+        }
+        Ok(())
+    }
+}
+
+/// What the host holds for a prompt now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// Tokens a resume would restore (0: miss).
+    pub hit_tokens: usize,
+    /// Longest run of ready pages within the keep_tokens cap, before snapping to a state boundary.
+    pub ready_pages: usize,
+    /// Full blocks of the prompt that a hit may cover (the keep_tokens cap).
+    pub limit_pages: usize,
+}
+
+/// A load begun: the slots to copy host -> GPU, pinned until the ticket completes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadPlan {
+    pub ticket: u64,
+    pub hit_tokens: usize,
+    /// Host slot of page i, for i in 0..hit_tokens / block_size.
+    pub page_slots: Vec<u32>,
+    pub state_slot: Option<u32>,
+}
+
+/// A store planned: new slots to fill GPU -> host.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StorePlan {
+    pub ticket: u64,
+    /// Prompt page indices to copy, and the host slot each goes to.
+    pub page_indices: Vec<u32>,
+    pub page_slots: Vec<u32>,
+    /// Block boundaries (in tokens) whose state to copy, deepest first, and the state slot each goes to.
+    pub state_boundaries: Vec<usize>,
+    pub state_slots: Vec<u32>,
+}
+
+#[derive(Debug)]
+enum TicketKind {
+    Load { hit_tokens: usize },
+    Store,
+}
+
+/// Entries a ticket pins. `new_*` were reserved by a store (not ready until completion); the rest were ready and
+/// are only held. Pages are in prompt order.
+#[derive(Debug)]
+struct Ticket {
+    kind: TicketKind,
+    pages: Vec<(u32, bool)>,
+    states: Vec<(u32, bool)>,
+}
+
+#[derive(Debug, Default)]
+struct Request {
+    chain: Chain,
+    /// The lookup statistics already count this request.
+    counted: bool,
+}
+
+#[derive(Debug)]
+pub struct Index {
+    cfg: Config,
+    hasher: BlockHasher,
+    pages: Pool,
+    states: Pool,
+    requests: HashMap<String, Request>,
+    tickets: HashMap<u64, Ticket>,
+    next_ticket: u64,
+    stats: Stats,
+}
+
+impl Index {
+    /// An index whose pools can hand out `usable_pages` / `usable_states` slots now (grow later with `grow`).
+    pub fn new(cfg: Config, usable_pages: u32, usable_states: u32) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            hasher: BlockHasher::new(cfg.hash_kind, &cfg.hash_key),
+            pages: Pool::new(cfg.page_slots, usable_pages),
+            states: Pool::new(cfg.state_slots, usable_states),
+            requests: HashMap::new(),
+            tickets: HashMap::new(),
+            next_ticket: 1,
+            stats: Stats::default(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+    pub fn pages(&self) -> &Pool {
+        &self.pages
+    }
+    pub fn states(&self) -> &Pool {
+        &self.states
+    }
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+    pub fn in_flight(&self) -> usize {
+        self.tickets.len()
+    }
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn has_states(&self) -> bool {
+        self.cfg.state_slots > 0
+    }
+
+    /// More host slots became usable (a chunk of a lazily allocated pool).
+    pub fn grow(&mut self, usable_pages: u32, usable_states: u32) {
+        self.pages.grow(usable_pages);
+        self.states.grow(usable_states);
+    }
+
+    /// Hashes `tokens` into the request's chain (extending it) and returns the chain keys.
+    pub fn chain(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32]) -> Result<&[Key]> {
+        check_tokens(tokens)?;
+        let req = self.requests.entry(request_id.to_owned()).or_default();
+        req.chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens);
+        Ok(req.chain.keys())
+    }
+
+    /// The chain keys of a request hashed so far.
+    pub fn keys(&self, request_id: &str) -> Result<&[Key]> {
+        self.request(request_id).map(|r| r.chain.keys())
+    }
+
+    fn request(&self, request_id: &str) -> Result<&Request> {
+        self.requests.get(request_id).ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
+    }
+
+    /// What a resume of this prompt would restore now. Counts the request in the lookup statistics once.
+    pub fn lookup(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32]) -> Result<Lookup> {
+        self.chain(request_id, namespace, tokens)?;
+        let req = self.requests.get_mut(request_id).expect("chained above");
+        if !req.counted {
+            req.counted = true;
+            self.stats.lookups += 1;
+            self.stats.lookup_tokens += tokens.len() as u64;
+        }
+        let bs = self.cfg.block_size;
+        let limit_pages = tokens.len().saturating_sub(self.cfg.keep_tokens) / bs;
+        let keys = &self.requests[request_id].chain.keys()[..limit_pages];
+        let ready_pages = keys.iter().take_while(|&&k| self.pages.ready_slot(k).is_some()).count();
+        let mut hit_pages = ready_pages;
+        if self.has_states() {
+            hit_pages = (1..=ready_pages).rev().find(|&p| self.states.ready_slot(keys[p - 1]).is_some()).unwrap_or(0);
+        }
+        let mut hit_tokens = hit_pages * bs;
+        if hit_tokens < self.cfg.min_hit_tokens.max(1) {
+            hit_tokens = 0;
+        }
+        Ok(Lookup { hit_tokens, ready_pages, limit_pages })
+    }
+
+    /// The engine could not allocate GPU blocks for a hit now; nothing is touched.
+    pub fn defer(&mut self, request_id: &str) -> Result<()> {
+        self.request(request_id)?;
+        self.stats.deferred += 1;
+        Ok(())
+    }
+
+    /// Pins the first `hit_tokens / block_size` pages (and the state at that boundary) for a host -> GPU copy.
+    /// Fails with `Stale` if any of them is no longer ready on the host.
+    pub fn begin_load(&mut self, request_id: &str, hit_tokens: usize) -> Result<LoadPlan> {
+        let bs = self.cfg.block_size;
+        let keys = self.request(request_id)?.chain.keys();
+        if hit_tokens == 0 || hit_tokens % bs != 0 || hit_tokens / bs > keys.len() {
+            return Err(invalid(format!(
+                "hit_tokens must be a positive multiple of block_size {bs} within the {} hashed blocks, got {hit_tokens}",
+                keys.len()
+            )));
+        }
+        let n = hit_tokens / bs;
+        let stale = || Error::Stale(request_id.to_owned());
+        let page_slots: Vec<u32> =
+            keys[..n].iter().map(|&k| self.pages.ready_slot(k)).collect::<Option<_>>().ok_or_else(stale)?;
+        let state_slot = if self.has_states() {
+            Some(self.states.ready_slot(keys[n - 1]).ok_or_else(stale)?)
+        } else {
+            None
+        };
+        for &s in &page_slots {
+            self.pages.pin(s)?;
+        }
+        if let Some(s) = state_slot {
+            self.states.pin(s)?;
+        }
+        self.stats.hits += 1;
+        self.stats.hit_tokens += hit_tokens as u64;
+        let ticket = self.issue(Ticket {
+            kind: TicketKind::Load { hit_tokens },
+            pages: page_slots.iter().map(|&s| (s, false)).collect(),
+            states: state_slot.map(|s| (s, false)).into_iter().collect(),
+        });
+        Ok(LoadPlan { ticket, hit_tokens, page_slots, state_slot })
+    }
+
+    /// Plans the write-through store of a prompt's full blocks. Pages already on the host are held (and touched
+    /// on completion); missing ones get slots, as many as fit, in prompt order. States are planned at the deepest
+    /// `state_lookback_blocks` boundaries whose window is still in the engine's ring (`b >= seq_len - ring_slack`)
+    /// and whose pages are all on the host, newest first, as many as fit.
+    pub fn plan_store(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32], seq_len: usize) -> Result<StorePlan> {
+        if seq_len < tokens.len() {
+            return Err(invalid(format!("seq_len must be >= the {} prompt tokens, got {seq_len}", tokens.len())));
+        }
+        let keys = self.chain(request_id, namespace, tokens)?.to_vec();
+        let bs = self.cfg.block_size;
+
+        // Hold the ready pages first so that reserving the missing ones cannot evict them.
+        let mut held = Vec::new();
+        let mut missing = Vec::new();
+        for (i, &k) in keys.iter().enumerate() {
+            match self.pages.slot_of(k) {
+                Some(s) if self.pages.entry(s).is_some_and(|e| e.ready) => {
+                    self.pages.pin(s)?;
+                    held.push((i, s));
+                }
+                Some(_) => {} // another store is filling it
+                None => missing.push(i),
+            }
+        }
+        let pages_wanted = !missing.is_empty();
+        let take = missing.len().min(self.pages.available());
+        missing.truncate(take);
+        let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
+        let (new_slots, _) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+
+        let mut pages: Vec<(usize, u32, bool)> = held.iter().map(|&(i, s)| (i, s, false)).collect();
+        pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
+        pages.sort_unstable_by_key(|p| p.0);
+        let run = keys.iter().take_while(|&&k| self.pages.slot_of(k).is_some()).count();
+
+        let mut states = Vec::new();
+        let mut state_boundaries = Vec::new();
+        let mut state_slots = Vec::new();
+        let mut states_wanted = false;
+        if self.has_states() {
+            let lowest = keys.len().saturating_sub(self.cfg.state_lookback_blocks).max(1);
+            for blocks in (lowest..=run).rev() {
+                let b = blocks * bs;
+                if b + self.cfg.ring_slack < seq_len {
+                    break;
+                }
+                let k = keys[blocks - 1];
+                match self.states.slot_of(k) {
+                    Some(s) if self.states.entry(s).is_some_and(|e| e.ready) => {
+                        self.states.pin(s)?;
+                        states.push((s, false));
+                    }
+                    Some(_) => {}
+                    None => {
+                        states_wanted = true;
+                        if let Some((slots, _)) = self.states.reserve(&[k]) {
+                            states.push((slots[0], true));
+                            state_boundaries.push(b);
+                            state_slots.push(slots[0]);
+                        }
+                    }
+                }
+            }
+        }
+
+        if !new_slots.is_empty() || !state_slots.is_empty() {
+            self.stats.stores += 1;
+        } else if pages_wanted || states_wanted {
+            self.stats.store_skipped += 1;
+        }
+        let ticket = self.issue(Ticket {
+            kind: TicketKind::Store,
+            pages: pages.iter().map(|&(_, s, new)| (s, new)).collect(),
+            states,
+        });
+        Ok(StorePlan {
+            ticket,
+            page_indices: missing.iter().map(|&i| i as u32).collect(),
+            page_slots: new_slots,
+            state_boundaries,
+            state_slots,
+        })
+    }
+
+    fn issue(&mut self, ticket: Ticket) -> u64 {
+        let id = self.next_ticket;
+        self.next_ticket += 1;
+        self.tickets.insert(id, ticket);
+        id
+    }
+
+    /// The copies of a ticket finished: stored entries become ready; every reference of the ticket is dropped,
+    /// deepest page first, so that a prompt's first pages are the most recently used.
+    pub fn complete(&mut self, ticket: u64) -> Result<()> {
+        let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        for &(s, new) in t.pages.iter().rev() {
+            if new {
+                self.pages.mark_ready(s)?;
+                self.stats.pages_stored += 1;
+            }
+            self.pages.unpin(s)?;
+        }
+        for &(s, new) in &t.states {
+            if new {
+                self.states.mark_ready(s)?;
+                self.stats.states_stored += 1;
+            }
+            self.states.unpin(s)?;
+        }
+        if let TicketKind::Load { .. } = t.kind {
+            self.stats.pages_loaded += t.pages.len() as u64;
+            self.stats.states_loaded += t.states.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// The copies of a ticket failed: stored entries are discarded (their slots freed), held ones released.
+    pub fn abort(&mut self, ticket: u64) -> Result<()> {
+        let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        for &(s, new) in &t.pages {
+            if new {
+                self.pages.discard(s)?;
+            } else {
+                self.pages.unpin(s)?;
+            }
+        }
+        for &(s, new) in &t.states {
+            if new {
+                self.states.discard(s)?;
+            } else {
+                self.states.unpin(s)?;
+            }
+        }
+        if let TicketKind::Load { hit_tokens } = t.kind {
+            self.stats.hits -= 1;
+            self.stats.hit_tokens -= hit_tokens as u64;
+        }
+        self.stats.errors += 1;
+        Ok(())
+    }
+
+    /// The request is gone: drop its chain. Returns whether it was known.
+    pub fn forget(&mut self, request_id: &str) -> bool {
+        self.requests.remove(request_id).is_some()
+    }
+
+    /// Counts an error the caller handled (a failed copy launch, a callback that raised).
+    pub fn count_error(&mut self) {
+        self.stats.errors += 1;
+    }
+
+    /// Every invariant of both pools, plus: references held by tickets account for every reference.
+    pub fn check(&self) -> Result<()> {
+        self.pages.check()?;
+        self.states.check()?;
+        let pages_of = |t: &Ticket| t.pages.clone();
+        let states_of = |t: &Ticket| t.states.clone();
+        for (pool, name, held) in [(&self.pages, "page", &pages_of as &dyn Fn(&Ticket) -> _), (&self.states, "state", &states_of)] {
+            let mut expected = vec![0u32; pool.capacity() as usize];
+            for (s, _) in self.tickets.values().flat_map(held) {
+                expected[s as usize] += 1;
+            }
+            for (slot, &want) in expected.iter().enumerate() {
+                let have = pool.entry(slot as u32).map_or(0, |e| e.refs);
+                if have != want {
+                    return Err(Error::Invariant(format!("{name} slot {slot} has {have} refs, tickets hold {want}")));
+                }
+            }
+        }
+        Ok(())
+    }
+}

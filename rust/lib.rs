@@ -1,0 +1,18 @@
+//! kvtier's core: the index bookkeeping of a tiered KV-cache (hash chains, host page and state pools, lookup /
+//! store planning, L3 keys) and the page copies between a GPU pool and pinned host memory.
+pub mod chain;
+pub mod error;
+pub mod index;
+pub mod l3;
+pub mod pool;
+pub mod stats;
+pub mod cuda;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use chain::{BlockHasher, Chain, HashKind, Key};
+pub use error::{Error, Result};
+pub use index::{Config, Index, LoadPlan, Lookup, StorePlan};
+pub use pool::Pool;
+pub use stats::Stats;

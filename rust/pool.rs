@@ -1,0 +1,472 @@
+//! A fixed set of host slots with LRU eviction, where only evictable entries sit in the eviction order.
+//!
+//! An entry leaves the LRU list when it is pinned (refs 0 -> 1) or while it is not ready, and re-enters at the
+//! most-recent end when it is ready with refs back at 0, so eviction pops the least-recent end in O(1) and never
+//! walks past a pinned entry. Entries live in a slab indexed by slot; the list links are slot indices.
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::chain::Key;
+use crate::error::{Error, Result};
+
+const NIL: u32 = u32::MAX;
+
+/// Keys are uniform 128-bit hashes already: hash them by their low 64 bits.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 ^= u64::from_le_bytes(b);
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
+
+#[derive(Clone, Debug)]
+struct Slot {
+    /// The entry in this slot, if any.
+    entry: Option<Entry>,
+    prev: u32,
+    next: u32,
+}
+
+/// What a used slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub key: Key,
+    /// In-flight transfers or puts touching the entry; it cannot be evicted while > 0.
+    pub refs: u32,
+    /// The host copy is complete.
+    pub ready: bool,
+}
+
+#[derive(Debug)]
+pub struct Pool {
+    slots: Vec<Slot>,
+    /// Number of slots usable now (a lazily grown pool starts small); slots >= `usable` are not handed out.
+    usable: u32,
+    map: KeyMap<u32>,
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    evictable: usize,
+    evicted: u64,
+}
+
+impl Pool {
+    /// A pool of `capacity` slots, of which the first `usable` can be handed out now.
+    pub fn new(capacity: u32, usable: u32) -> Self {
+        let slots = vec![Slot { entry: None, prev: NIL, next: NIL }; capacity as usize];
+        let mut pool = Self {
+            slots,
+            usable: 0,
+            map: KeyMap::default(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            evictable: 0,
+            evicted: 0,
+        };
+        pool.grow(usable.min(capacity));
+        pool
+    }
+
+    /// Makes slots up to `usable` available (a chunk of the host pool was allocated). Never shrinks.
+    pub fn grow(&mut self, usable: u32) {
+        let usable = usable.min(self.capacity());
+        if usable <= self.usable {
+            return;
+        }
+        // Free slots are popped from the end: keep low slots first so the pool fills from the bottom.
+        let mut added: Vec<u32> = (self.usable..usable).rev().collect();
+        added.append(&mut self.free);
+        self.free = added;
+        self.usable = usable;
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.slots.len() as u32
+    }
+    pub fn usable(&self) -> u32 {
+        self.usable
+    }
+    pub fn used(&self) -> usize {
+        self.map.len()
+    }
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+    pub fn evictable(&self) -> usize {
+        self.evictable
+    }
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    pub fn slot_of(&self, key: Key) -> Option<u32> {
+        self.map.get(&key).copied()
+    }
+
+    pub fn entry(&self, slot: u32) -> Option<Entry> {
+        self.slots.get(slot as usize).and_then(|s| s.entry)
+    }
+
+    /// The slot of `key` when its host copy is complete.
+    pub fn ready_slot(&self, key: Key) -> Option<u32> {
+        self.slot_of(key).filter(|&s| self.slots[s as usize].entry.is_some_and(|e| e.ready))
+    }
+
+    /// Slots that a reservation could get now: free ones plus evictable ones.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.evictable
+    }
+
+    /// Takes one slot for each of `keys` (none may be present), evicting least-recent entries as needed: all of
+    /// them or, when not enough slots are free or evictable, none (and nothing is evicted). New entries are pinned
+    /// (refs 1) and not ready. Returns the slots and the keys evicted.
+    pub fn reserve(&mut self, keys: &[Key]) -> Option<(Vec<u32>, Vec<Key>)> {
+        if keys.len() > self.available() {
+            return None;
+        }
+        debug_assert!(keys.iter().all(|k| !self.map.contains_key(k)), "reserve of a present key");
+        let mut slots = Vec::with_capacity(keys.len());
+        let mut evicted = Vec::new();
+        for &key in keys {
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    let (s, old) = self.pop_lru().expect("available() counted an evictable entry");
+                    evicted.push(old);
+                    s
+                }
+            };
+            self.slots[slot as usize].entry = Some(Entry { key, refs: 1, ready: false });
+            self.map.insert(key, slot);
+            slots.push(slot);
+        }
+        Some((slots, evicted))
+    }
+
+    /// Evicts the least-recently-used evictable entry; its slot becomes free. Returns its key.
+    pub fn evict_one(&mut self) -> Option<Key> {
+        let (slot, key) = self.pop_lru()?;
+        self.free.push(slot);
+        Some(key)
+    }
+
+    /// Takes the least-recently-used evictable entry out, leaving its slot to the caller.
+    fn pop_lru(&mut self) -> Option<(u32, Key)> {
+        let slot = self.head;
+        if slot == NIL {
+            return None;
+        }
+        self.unlink(slot);
+        let entry = self.slots[slot as usize].entry.take().expect("listed slot has an entry");
+        self.map.remove(&entry.key);
+        self.evicted += 1;
+        Some((slot, entry.key))
+    }
+
+    /// Adds a reference: the entry leaves the eviction order.
+    pub fn pin(&mut self, slot: u32) -> Result<()> {
+        let e = self.entry_mut(slot)?;
+        e.refs += 1;
+        let listed = e.refs == 1 && e.ready;
+        if listed {
+            self.unlink(slot);
+        }
+        Ok(())
+    }
+
+    /// Drops a reference; an entry that is ready with no references re-enters at the most-recent end.
+    pub fn unpin(&mut self, slot: u32) -> Result<()> {
+        let e = self.entry_mut(slot)?;
+        if e.refs == 0 {
+            return Err(Error::Invariant(format!("unpin of slot {slot} with no references")));
+        }
+        e.refs -= 1;
+        if e.refs == 0 && e.ready {
+            self.push_back(slot);
+        }
+        Ok(())
+    }
+
+    /// Marks a pinned entry's host copy complete (it stays pinned until unpinned).
+    pub fn mark_ready(&mut self, slot: u32) -> Result<()> {
+        let e = self.entry_mut(slot)?;
+        if e.refs == 0 {
+            return Err(Error::Invariant(format!("mark_ready of unpinned slot {slot}")));
+        }
+        e.ready = true;
+        Ok(())
+    }
+
+    /// Removes a pinned, not-ready entry whose copy failed; its slot becomes free.
+    pub fn discard(&mut self, slot: u32) -> Result<()> {
+        let e = *self.entry_mut(slot)?;
+        if e.ready || e.refs != 1 {
+            return Err(Error::Invariant(format!("discard of slot {slot} that is ready or shared ({e:?})")));
+        }
+        self.slots[slot as usize].entry = None;
+        self.map.remove(&e.key);
+        self.free.push(slot);
+        Ok(())
+    }
+
+    /// Moves an evictable entry to the most-recent end (a hit or a re-store).
+    pub fn touch(&mut self, slot: u32) {
+        if self.slots[slot as usize].entry.is_some_and(|e| e.refs == 0 && e.ready) {
+            self.unlink(slot);
+            self.push_back(slot);
+        }
+    }
+
+    /// Keys in eviction order, least recent first.
+    pub fn lru_keys(&self) -> Vec<Key> {
+        let mut out = Vec::with_capacity(self.evictable);
+        let mut s = self.head;
+        while s != NIL {
+            out.push(self.slots[s as usize].entry.expect("listed slot has an entry").key);
+            s = self.slots[s as usize].next;
+        }
+        out
+    }
+
+    /// Every structural invariant; used by tests and by `Index::check`.
+    pub fn check(&self) -> Result<()> {
+        let fail = |m: String| Err(Error::Invariant(m));
+        let used = self.slots.iter().filter(|s| s.entry.is_some()).count();
+        if used != self.map.len() {
+            return fail(format!("{used} used slots but {} keys", self.map.len()));
+        }
+        if used + self.free.len() != self.usable as usize {
+            return fail(format!("used {used} + free {} != usable {}", self.free.len(), self.usable));
+        }
+        for (&key, &slot) in &self.map {
+            if self.slots[slot as usize].entry.map(|e| e.key) != Some(key) {
+                return fail(format!("key {key:032x} maps to slot {slot} holding another key"));
+            }
+        }
+        let mut seen = vec![false; self.slots.len()];
+        for &s in &self.free {
+            if s >= self.usable || self.slots[s as usize].entry.is_some() || std::mem::replace(&mut seen[s as usize], true) {
+                return fail(format!("free slot {s} is unusable, used or listed twice"));
+            }
+        }
+        let listed = self.lru_keys();
+        let should = self.slots.iter().filter(|s| s.entry.is_some_and(|e| e.refs == 0 && e.ready)).count();
+        if listed.len() != should || listed.len() != self.evictable {
+            return fail(format!("LRU lists {} entries, {} are evictable, counter {}", listed.len(), should, self.evictable));
+        }
+        Ok(())
+    }
+
+    fn entry_mut(&mut self, slot: u32) -> Result<&mut Entry> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| s.entry.as_mut())
+            .ok_or_else(|| Error::Invariant(format!("slot {slot} holds no entry")))
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let (prev, next) = {
+            let s = &self.slots[slot as usize];
+            (s.prev, s.next)
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        let s = &mut self.slots[slot as usize];
+        s.prev = NIL;
+        s.next = NIL;
+        self.evictable -= 1;
+    }
+
+    fn push_back(&mut self, slot: u32) {
+        let tail = self.tail;
+        {
+            let s = &mut self.slots[slot as usize];
+            s.prev = tail;
+            s.next = NIL;
+        }
+        if tail == NIL {
+            self.head = slot;
+        } else {
+            self.slots[tail as usize].next = slot;
+        }
+        self.tail = slot;
+        self.evictable += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ready(pool: &mut Pool, keys: &[Key]) -> Vec<u32> {
+        let (slots, _) = pool.reserve(keys).unwrap();
+        for &s in &slots {
+            pool.mark_ready(s).unwrap();
+            pool.unpin(s).unwrap();
+        }
+        slots
+    }
+
+    #[test]
+    fn reservation_is_all_or_nothing() {
+        let mut p = Pool::new(4, 4);
+        ready(&mut p, &[1, 2, 3]);
+        let pinned = p.slot_of(1).unwrap();
+        p.pin(pinned).unwrap();
+        assert!(p.reserve(&[10, 11, 12, 13]).is_none());
+        assert_eq!(p.used(), 3, "a failed reservation evicts nothing");
+        let (slots, evicted) = p.reserve(&[10, 11, 12]).unwrap();
+        assert_eq!(slots.len(), 3);
+        assert_eq!(evicted, vec![2, 3]);
+        assert!(p.slot_of(1).is_some(), "pinned entry survives");
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn lru_order_follows_touch_and_unpin() {
+        let mut p = Pool::new(8, 8);
+        ready(&mut p, &[1, 2, 3]);
+        p.touch(p.slot_of(1).unwrap());
+        assert_eq!(p.lru_keys(), vec![2, 3, 1]);
+        let s2 = p.slot_of(2).unwrap();
+        p.pin(s2).unwrap();
+        assert_eq!(p.lru_keys(), vec![3, 1]);
+        p.unpin(s2).unwrap();
+        assert_eq!(p.lru_keys(), vec![3, 1, 2]);
+        assert_eq!(p.evict_one(), Some(3));
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn grow_adds_usable_slots() {
+        let mut p = Pool::new(8, 2);
+        assert!(p.reserve(&[1, 2, 3]).is_none());
+        p.grow(5);
+        assert_eq!(p.reserve(&[1, 2, 3]).unwrap().0, vec![0, 1, 2]);
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn misuse_is_an_error_not_a_panic() {
+        let mut p = Pool::new(2, 2);
+        assert!(p.unpin(0).is_err());
+        let s = ready(&mut p, &[7])[0];
+        assert!(p.unpin(s).is_err());
+        assert!(p.discard(s).is_err());
+        assert!(p.mark_ready(s).is_err());
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Reserve(Vec<u8>),
+        Complete(u8),
+        Fail(u8),
+        Pin(u8),
+        Unpin(u8),
+        Touch(u8),
+        Evict,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..6).prop_map(Op::Reserve),
+            any::<u8>().prop_map(Op::Complete),
+            any::<u8>().prop_map(Op::Fail),
+            any::<u8>().prop_map(Op::Pin),
+            any::<u8>().prop_map(Op::Unpin),
+            any::<u8>().prop_map(Op::Touch),
+            Just(Op::Evict),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..200), cap in 1u32..12) {
+            let mut p = Pool::new(cap, cap);
+            // Slots whose entry is pinned by a pending copy (not ready).
+            let mut pending: Vec<u32> = Vec::new();
+            // Extra pins we took on ready entries.
+            let mut pins: Vec<u32> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Reserve(raw) => {
+                        let mut keys: Vec<Key> = raw.iter().map(|&k| Key::from(k) + 1).collect();
+                        keys.sort_unstable();
+                        keys.dedup();
+                        keys.retain(|k| p.slot_of(*k).is_none());
+                        let before: Vec<Entry> = (0..cap).filter_map(|s| p.entry(s)).collect();
+                        match p.reserve(&keys) {
+                            Some((slots, evicted)) => {
+                                prop_assert_eq!(slots.len(), keys.len());
+                                for k in &evicted {
+                                    let e = before.iter().find(|e| e.key == *k).unwrap();
+                                    prop_assert!(e.refs == 0 && e.ready, "evicted a pinned or pending entry");
+                                }
+                                pending.extend(slots);
+                            }
+                            None => {
+                                let after: Vec<Entry> = (0..cap).filter_map(|s| p.entry(s)).collect();
+                                prop_assert_eq!(before, after, "failed reservation changed the pool");
+                            }
+                        }
+                    }
+                    Op::Complete(i) if !pending.is_empty() => {
+                        let s = pending.swap_remove(i as usize % pending.len());
+                        p.mark_ready(s).unwrap();
+                        p.unpin(s).unwrap();
+                    }
+                    Op::Fail(i) if !pending.is_empty() => {
+                        let s = pending.swap_remove(i as usize % pending.len());
+                        p.discard(s).unwrap();
+                    }
+                    Op::Pin(i) => {
+                        let ready: Vec<u32> = (0..cap).filter(|&s| p.entry(s).is_some_and(|e| e.ready)).collect();
+                        if !ready.is_empty() {
+                            let s = ready[i as usize % ready.len()];
+                            p.pin(s).unwrap();
+                            pins.push(s);
+                        }
+                    }
+                    Op::Unpin(i) if !pins.is_empty() => {
+                        let s = pins.swap_remove(i as usize % pins.len());
+                        p.unpin(s).unwrap();
+                    }
+                    Op::Touch(i) => p.touch(u32::from(i) % cap),
+                    Op::Evict => {
+                        if let Some(k) = p.evict_one() {
+                            prop_assert!(p.slot_of(k).is_none());
+                            prop_assert!(pending.iter().chain(&pins).all(|&s| p.entry(s).is_some()));
+                        }
+                    }
+                    _ => {}
+                }
+                p.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! `kvtier._core.Index` and the L3 helpers.
+use std::sync::{Mutex, MutexGuard};
+
+use numpy::PyArray1;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::{int32s, namespace_bytes, non_negative, slots_array, to_py};
+use crate::chain::HashKind;
+use crate::index::{Config, Index};
+use crate::l3;
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyIndex>()?;
+    m.add_class::<PyLookup>()?;
+    m.add_class::<PyLoadPlan>()?;
+    m.add_class::<PyStorePlan>()?;
+    m.add_class::<PySeenSet>()?;
+    m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(group_key_string, m)?)?;
+    m.add_function(wrap_pyfunction!(state_key_string, m)?)?;
+    Ok(())
+}
+
+/// The index of one cache: chains, host page and state pools, planning, statistics. Thread-safe; calls that
+/// hash release the GIL.
+#[pyclass(name = "Index", module = "kvtier._core", frozen)]
+pub struct PyIndex {
+    inner: Mutex<Index>,
+}
+
+/// What the host holds for a prompt: `hit_tokens` (0 for a miss), the ready run before snapping to a state
+/// boundary, and the keep_tokens cap, in pages.
+#[pyclass(name = "Lookup", module = "kvtier._core", frozen, get_all)]
+pub struct PyLookup {
+    hit_tokens: usize,
+    ready_pages: usize,
+    limit_pages: usize,
+}
+
+#[pymethods]
+impl PyLookup {
+    fn __repr__(&self) -> String {
+        format!("Lookup(hit_tokens={}, ready_pages={}, limit_pages={})", self.hit_tokens, self.ready_pages, self.limit_pages)
+    }
+}
+
+/// A load begun: host slots of pages 0.. and the state slot, pinned until `complete` or `abort` of `ticket`.
+#[pyclass(name = "LoadPlan", module = "kvtier._core", frozen, get_all)]
+pub struct PyLoadPlan {
+    ticket: u64,
+    hit_tokens: usize,
+    page_slots: Py<PyArray1<i32>>,
+    state_slot: Option<u32>,
+}
+
+/// A store planned: copy prompt page `page_indices[i]` (GPU block `src_blocks[i]` when a block table was given)
+/// into host slot `page_slots[i]`, and the state at `state_boundaries[j]` tokens into `state_slots[j]`; then
+/// `complete(ticket)`, or `abort(ticket)` if the copies failed.
+#[pyclass(name = "StorePlan", module = "kvtier._core", frozen, get_all)]
+pub struct PyStorePlan {
+    ticket: u64,
+    page_indices: Py<PyArray1<i32>>,
+    page_slots: Py<PyArray1<i32>>,
+    src_blocks: Option<Py<PyArray1<i32>>>,
+    state_boundaries: Vec<usize>,
+    state_slots: Py<PyArray1<i32>>,
+}
+
+impl PyIndex {
+    fn lock(&self) -> MutexGuard<'_, Index> {
+        // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl PyIndex {
+    #[new]
+    #[pyo3(signature = (page_slots, *, state_slots=0, block_size=16, keep_tokens=1, min_hit_tokens=None,
+        state_lookback_blocks=4, ring_slack=0, hash_kind="blake3", hash_key=None, usable_page_slots=None,
+        usable_state_slots=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        page_slots: i64,
+        state_slots: i64,
+        block_size: i64,
+        keep_tokens: i64,
+        min_hit_tokens: Option<i64>,
+        state_lookback_blocks: i64,
+        ring_slack: i64,
+        hash_kind: &str,
+        hash_key: Option<&Bound<'_, PyAny>>,
+        usable_page_slots: Option<i64>,
+        usable_state_slots: Option<i64>,
+    ) -> PyResult<Self> {
+        let slots = |name: &str, v: i64| -> PyResult<u32> {
+            let n: u32 = non_negative(name, v)?;
+            if n > i32::MAX as u32 {
+                return Err(PyValueError::new_err(format!("{name} must be < 2**31, got {v}")));
+            }
+            Ok(n)
+        };
+        let block_size: usize = non_negative("block_size", block_size)?;
+        let cfg = Config {
+            page_slots: slots("page_slots", page_slots)?,
+            state_slots: slots("state_slots", state_slots)?,
+            block_size,
+            keep_tokens: non_negative("keep_tokens", keep_tokens)?,
+            min_hit_tokens: match min_hit_tokens {
+                Some(v) => non_negative("min_hit_tokens", v)?,
+                None => 2 * block_size,
+            },
+            state_lookback_blocks: non_negative("state_lookback_blocks", state_lookback_blocks)?,
+            ring_slack: non_negative("ring_slack", ring_slack)?,
+            hash_kind: HashKind::parse(hash_kind).map_err(to_py)?,
+            hash_key: namespace_bytes(hash_key)?,
+        };
+        let usable_pages = match usable_page_slots {
+            Some(v) => slots("usable_page_slots", v)?,
+            None => cfg.page_slots,
+        };
+        let usable_states = match usable_state_slots {
+            Some(v) => slots("usable_state_slots", v)?,
+            None => cfg.state_slots,
+        };
+        let index = Index::new(cfg, usable_pages, usable_states).map_err(to_py)?;
+        Ok(Self { inner: Mutex::new(index) })
+    }
+
+    #[getter]
+    fn page_slots(&self) -> u32 {
+        self.lock().config().page_slots
+    }
+    #[getter]
+    fn state_slots(&self) -> u32 {
+        self.lock().config().state_slots
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.lock().config().block_size
+    }
+    #[getter]
+    fn keep_tokens(&self) -> usize {
+        self.lock().config().keep_tokens
+    }
+    #[getter]
+    fn hash_kind(&self) -> &'static str {
+        self.lock().config().hash_kind.name()
+    }
+    /// A short public digest of the hash key (fingerprints differ per key without revealing it).
+    #[getter]
+    fn key_id(&self) -> String {
+        self.lock().hasher().key_id()
+    }
+
+    /// More host slots are usable now (a chunk of the lazily allocated host pool is ready).
+    fn grow(&self, py: Python<'_>, usable_page_slots: i64, usable_state_slots: i64) -> PyResult<()> {
+        let p: u32 = non_negative("usable_page_slots", usable_page_slots)?;
+        let s: u32 = non_negative("usable_state_slots", usable_state_slots)?;
+        py.detach(|| self.lock().grow(p, s));
+        Ok(())
+    }
+
+    /// Hashes the prompt into the request's chain (extending it) and returns its block keys.
+    #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
+    fn chain(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u128>> {
+        let tokens = int32s(token_ids, "token_ids")?;
+        let ns = namespace_bytes(namespace)?;
+        let t = tokens.as_slice();
+        py.detach(|| self.lock().chain(request_id, &ns, t).map(<[u128]>::to_vec)).map_err(to_py)
+    }
+
+    /// The block keys hashed so far for a request.
+    fn keys(&self, request_id: &str) -> PyResult<Vec<u128>> {
+        self.lock().keys(request_id).map(<[u128]>::to_vec).map_err(to_py)
+    }
+
+    /// What a resume of this prompt would restore now. A request is counted in the lookup statistics once,
+    /// however often it is retried.
+    #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
+    fn lookup(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<PyLookup> {
+        let tokens = int32s(token_ids, "token_ids")?;
+        let ns = namespace_bytes(namespace)?;
+        let t = tokens.as_slice();
+        let l = py.detach(|| self.lock().lookup(request_id, &ns, t)).map_err(to_py)?;
+        Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
+    }
+
+    /// A hit could not be resumed now (no GPU blocks); nothing is touched.
+    fn defer(&self, request_id: &str) -> PyResult<()> {
+        self.lock().defer(request_id).map_err(to_py)
+    }
+
+    /// Pins the pages (and state) of a hit for a host -> GPU copy; raises StaleLookupError if they left the host.
+    fn begin_load(&self, py: Python<'_>, request_id: &str, hit_tokens: i64) -> PyResult<PyLoadPlan> {
+        let hit: usize = non_negative("hit_tokens", hit_tokens)?;
+        let plan = self.lock().begin_load(request_id, hit).map_err(to_py)?;
+        Ok(PyLoadPlan {
+            ticket: plan.ticket,
+            hit_tokens: plan.hit_tokens,
+            page_slots: slots_array(py, &plan.page_slots).unbind(),
+            state_slot: plan.state_slot,
+        })
+    }
+
+    /// Plans the write-through store of a prompt (see StorePlan). `seq_len` (default: the prompt length) is the
+    /// sequence's length now, for the ring constraint of states. With `block_table`, `src_blocks` gives the GPU
+    /// block of each page to copy.
+    #[pyo3(signature = (request_id, token_ids, *, seq_len=None, namespace=None, block_table=None))]
+    fn plan_store(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        seq_len: Option<i64>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        block_table: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyStorePlan> {
+        let tokens = int32s(token_ids, "token_ids")?;
+        let t = tokens.as_slice();
+        let ns = namespace_bytes(namespace)?;
+        let seq_len = match seq_len {
+            Some(v) => non_negative("seq_len", v)?,
+            None => t.len(),
+        };
+        let table = block_table.map(|b| int32s(b, "block_table")).transpose()?;
+        if let Some(table) = &table {
+            let bt = table.as_slice();
+            let full = t.len() / self.block_size();
+            if bt.len() < full {
+                return Err(PyValueError::new_err(format!(
+                    "block_table has {} blocks, the prompt has {full} full blocks",
+                    bt.len()
+                )));
+            }
+            if let Some(i) = bt[..full].iter().position(|&b| b < 0) {
+                return Err(PyValueError::new_err(format!("block_table[{i}] = {} is negative", bt[i])));
+            }
+        }
+        let plan = py.detach(|| self.lock().plan_store(request_id, &ns, t, seq_len)).map_err(to_py)?;
+        let src_blocks = table.map(|table| {
+            let bt = table.as_slice();
+            PyArray1::from_iter(py, plan.page_indices.iter().map(|&i| bt[i as usize])).unbind()
+        });
+        Ok(PyStorePlan {
+            ticket: plan.ticket,
+            page_indices: slots_array(py, &plan.page_indices).unbind(),
+            page_slots: slots_array(py, &plan.page_slots).unbind(),
+            src_blocks,
+            state_boundaries: plan.state_boundaries,
+            state_slots: slots_array(py, &plan.state_slots).unbind(),
+        })
+    }
+
+    /// The copies of a ticket finished: stored entries become ready, references drop.
+    fn complete(&self, ticket: u64) -> PyResult<()> {
+        self.lock().complete(ticket).map_err(to_py)
+    }
+
+    /// The copies of a ticket failed: stored entries are discarded, held ones released.
+    fn abort(&self, ticket: u64) -> PyResult<()> {
+        self.lock().abort(ticket).map_err(to_py)
+    }
+
+    /// Drops a request's chain; returns whether the request was known.
+    fn forget(&self, request_id: &str) -> bool {
+        self.lock().forget(request_id)
+    }
+
+    /// Counts an error handled by the caller.
+    fn count_error(&self) {
+        self.lock().count_error();
+    }
+
+    /// Counters, pool occupancy and the token hit rate.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ix = self.lock();
+        let s = ix.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("lookups", s.lookups),
+            ("hits", s.hits),
+            ("hit_tokens", s.hit_tokens),
+            ("lookup_tokens", s.lookup_tokens),
+            ("deferred", s.deferred),
+            ("stores", s.stores),
+            ("store_skipped", s.store_skipped),
+            ("pages_stored", s.pages_stored),
+            ("pages_loaded", s.pages_loaded),
+            ("pages_evicted", ix.pages().evicted()),
+            ("states_stored", s.states_stored),
+            ("states_loaded", s.states_loaded),
+            ("states_evicted", ix.states().evicted()),
+            ("errors", s.errors),
+            ("page_slots", u64::from(ix.pages().capacity())),
+            ("page_slots_usable", u64::from(ix.pages().usable())),
+            ("pages_used", ix.pages().used() as u64),
+            ("pages_evictable", ix.pages().evictable() as u64),
+            ("state_slots", u64::from(ix.states().capacity())),
+            ("state_slots_usable", u64::from(ix.states().usable())),
+            ("states_used", ix.states().used() as u64),
+            ("states_evictable", ix.states().evictable() as u64),
+            ("in_flight", ix.in_flight() as u64),
+            ("requests", ix.requests() as u64),
+        ] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("token_hit_rate", s.token_hit_rate())?;
+        Ok(d)
+    }
+
+    /// Page keys in eviction order, least recent first (only evictable entries are listed).
+    fn page_lru(&self) -> Vec<u128> {
+        self.lock().pages().lru_keys()
+    }
+
+    /// State keys in eviction order, least recent first.
+    fn state_lru(&self) -> Vec<u128> {
+        self.lock().states().lru_keys()
+    }
+
+    /// `(key, refs, ready)` of a page slot, or None when the slot is free.
+    fn page_entry(&self, slot: u32) -> Option<(u128, u32, bool)> {
+        self.lock().pages().entry(slot).map(|e| (e.key, e.refs, e.ready))
+    }
+
+    /// `(key, refs, ready)` of a state slot, or None when the slot is free.
+    fn state_entry(&self, slot: u32) -> Option<(u128, u32, bool)> {
+        self.lock().states().entry(slot).map(|e| (e.key, e.refs, e.ready))
+    }
+
+    /// Host page slot of a key, or None.
+    fn page_slot(&self, key: u128) -> Option<u32> {
+        self.lock().pages().slot_of(key)
+    }
+
+    /// Host state slot of a key, or None.
+    fn state_slot(&self, key: u128) -> Option<u32> {
+        self.lock().states().slot_of(key)
+    }
+
+    /// Raises KvtierError if any invariant of the pools or the tickets is broken.
+    fn check(&self) -> PyResult<()> {
+        self.lock().check().map_err(to_py)
+    }
+}
+
+/// The layout fingerprint of L3 keys: a hash of every field that changes the bytes behind a key.
+#[pyfunction]
+fn fingerprint(fields: std::collections::BTreeMap<String, String>) -> PyResult<String> {
+    l3::fingerprint(&fields.into_iter().collect::<Vec<_>>()).map_err(to_py)
+}
+
+/// `kvtier/v1/<fp>/g<G>/<hex>`: the L3 object of the group whose last page has chain key `last_page_key`.
+#[pyfunction]
+fn group_key_string(fingerprint: &str, group_pages: u32, last_page_key: u128) -> String {
+    l3::group_key_string(fingerprint, group_pages, last_page_key)
+}
+
+/// `kvtier/v1/<fp>/state/<hex>`: the L3 object of the state after the page with chain key `page_key`.
+#[pyfunction]
+fn state_key_string(fingerprint: &str, page_key: u128) -> String {
+    l3::state_key_string(fingerprint, page_key)
+}
+
+/// A bounded set of keys already put to or seen in the Store (oldest out first).
+#[pyclass(name = "SeenSet", module = "kvtier._core", frozen)]
+pub struct PySeenSet {
+    inner: Mutex<l3::SeenSet>,
+}
+
+#[pymethods]
+impl PySeenSet {
+    #[new]
+    fn new(capacity: i64) -> PyResult<Self> {
+        let cap: usize = non_negative("capacity", capacity)?;
+        Ok(Self { inner: Mutex::new(l3::SeenSet::new(cap).map_err(to_py)?) })
+    }
+    fn __contains__(&self, key: u128) -> bool {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(key)
+    }
+    /// Inserts a key; returns False if it was already there.
+    fn insert(&self, key: u128) -> bool {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key)
+    }
+    fn remove(&self, key: u128) -> bool {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(key)
+    }
+    fn __len__(&self) -> usize {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
+    }
+}
