@@ -1,0 +1,293 @@
+"""The index bookkeeping in plain Python, as a straightforward engine would write it.
+
+It follows the same rules as the Rust index (``kvtier.Index``), slot for slot: hashlib BLAKE2b-128 chains,
+``OrderedDict`` pools with refs and ready flags, the same lookup, store, load and completion planning. It is the
+baseline of ``kvtier bench index`` and the model the stateful tests check the Rust index against (they give it the
+Rust chain through ``chain_fn``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+ChainFn = Callable[[str, bytes, Sequence[int]], list[int]]
+
+
+def blake2b_chain(block_size: int) -> ChainFn:
+    """Per-request chains of BLAKE2b-128 keys, extended as the prompt grows (never rehashed)."""
+    chains: dict[str, tuple[bytes, list[int], list[int]]] = {}
+
+    def chain(request_id: str, namespace: bytes, tokens: Sequence[int]) -> list[int]:
+        ns, hashed, keys = chains.get(request_id, (namespace, [], []))
+        if ns != namespace:
+            hashed, keys = [], []
+        full = len(tokens) // block_size
+        same = 0
+        for a, b in zip(hashed, tokens):
+            if a != b:
+                break
+            same += 1
+        keep = min(same // block_size, full)
+        del keys[keep:]
+        prev = keys[-1] if keys else int.from_bytes(hashlib.blake2b(namespace, digest_size=16).digest(), "little")
+        for i in range(keep, full):
+            block = tokens[i * block_size : (i + 1) * block_size]
+            h = hashlib.blake2b(prev.to_bytes(16, "little"), digest_size=16)
+            h.update(b"".join(t.to_bytes(4, "little") for t in block))
+            prev = int.from_bytes(h.digest(), "little")
+            keys.append(prev)
+        chains[request_id] = (namespace, list(tokens[: full * block_size]), keys)
+        return keys
+
+    chain.forget = chains.pop  # type: ignore[attr-defined]
+    return chain
+
+
+@dataclass
+class Entry:
+    slot: int
+    refs: int
+    ready: bool
+
+
+class Pool:
+    """Fixed slots; an ``OrderedDict`` of evictable keys (refs 0 and ready), least recent first."""
+
+    def __init__(self, capacity: int, usable: int) -> None:
+        self.capacity = capacity
+        self.usable = 0
+        self.entries: dict[int, Entry] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.free: list[int] = []
+        self.evicted = 0
+        self.grow(usable)
+
+    def grow(self, usable: int) -> None:
+        usable = min(usable, self.capacity)
+        if usable > self.usable:
+            self.free = list(range(usable - 1, self.usable - 1, -1)) + self.free
+            self.usable = usable
+
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def ready_slot(self, key: int) -> int | None:
+        e = self.entries.get(key)
+        return e.slot if e is not None and e.ready else None
+
+    def reserve(self, keys: Sequence[int]) -> list[int] | None:
+        if len(keys) > self.available():
+            return None
+        slots = []
+        for key in keys:
+            if self.free:
+                slot = self.free.pop()
+            else:
+                old, _ = self.lru.popitem(last=False)
+                slot = self.entries.pop(old).slot
+                self.evicted += 1
+            self.entries[key] = Entry(slot, 1, False)
+            slots.append(slot)
+        return slots
+
+    def pin(self, key: int) -> None:
+        e = self.entries[key]
+        e.refs += 1
+        if e.refs == 1 and e.ready:
+            del self.lru[key]
+
+    def unpin(self, key: int) -> None:
+        e = self.entries[key]
+        assert e.refs > 0, f"unpin of {key:x} with no references"
+        e.refs -= 1
+        if e.refs == 0 and e.ready:
+            self.lru[key] = None
+
+    def discard(self, key: int) -> None:
+        e = self.entries.pop(key)
+        assert e.refs == 1 and not e.ready
+        self.free.append(e.slot)
+
+
+@dataclass
+class Ticket:
+    load_tokens: int | None  # None for a store
+    pages: list[tuple[int, bool]] = field(default_factory=list)  # (key, new)
+    states: list[tuple[int, bool]] = field(default_factory=list)
+
+
+class PyIndex:
+    """The same rules as ``kvtier.Index``; plans are returned as plain tuples and lists."""
+
+    def __init__(
+        self,
+        page_slots: int,
+        *,
+        state_slots: int = 0,
+        block_size: int = 16,
+        keep_tokens: int = 1,
+        min_hit_tokens: int | None = None,
+        state_lookback_blocks: int = 4,
+        ring_slack: int = 0,
+        chain_fn: ChainFn | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.keep_tokens = keep_tokens
+        self.min_hit_tokens = 2 * block_size if min_hit_tokens is None else min_hit_tokens
+        self.state_lookback_blocks = state_lookback_blocks
+        self.ring_slack = ring_slack
+        self.pages = Pool(page_slots, page_slots)
+        self.states = Pool(state_slots, state_slots)
+        self.has_states = state_slots > 0
+        self.chain_fn = chain_fn or blake2b_chain(block_size)
+        self.chains: dict[str, list[int]] = {}
+        self.counted: set[str] = set()
+        self.tickets: dict[int, Ticket] = {}
+        self.next_ticket = 1
+        self.stats = dict.fromkeys(
+            ["lookups", "hits", "hit_tokens", "lookup_tokens", "deferred", "stores", "store_skipped",
+             "pages_stored", "pages_loaded", "states_stored", "states_loaded", "errors"],
+            0,
+        )  # fmt: skip
+
+    def chain(self, request_id: str, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
+        keys = self.chain_fn(request_id, namespace, tokens)
+        self.chains[request_id] = keys
+        return keys
+
+    def lookup(self, request_id: str, tokens: Sequence[int], namespace: bytes = b"") -> tuple[int, int, int]:
+        """(hit_tokens, ready_pages, limit_pages)"""
+        keys = self.chain(request_id, tokens, namespace)
+        if request_id not in self.counted:
+            self.counted.add(request_id)
+            self.stats["lookups"] += 1
+            self.stats["lookup_tokens"] += len(tokens)
+        limit = max(len(tokens) - self.keep_tokens, 0) // self.block_size
+        ready = 0
+        while ready < limit and self.pages.ready_slot(keys[ready]) is not None:
+            ready += 1
+        hit = ready
+        if self.has_states:
+            hit = next((p for p in range(ready, 0, -1) if self.states.ready_slot(keys[p - 1]) is not None), 0)
+        hit_tokens = hit * self.block_size
+        if hit_tokens < max(self.min_hit_tokens, 1):
+            hit_tokens = 0
+        return hit_tokens, ready, limit
+
+    def defer(self, request_id: str) -> None:
+        if request_id not in self.chains:
+            raise KeyError(request_id)
+        self.stats["deferred"] += 1
+
+    def begin_load(self, request_id: str, hit_tokens: int) -> tuple[int, list[int], int | None]:
+        """(ticket, page_slots, state_slot); raises LookupError when stale."""
+        keys = self.chains[request_id]
+        n = hit_tokens // self.block_size
+        assert hit_tokens > 0 and hit_tokens % self.block_size == 0 and n <= len(keys)
+        slots = [self.pages.ready_slot(k) for k in keys[:n]]
+        state = self.states.ready_slot(keys[n - 1]) if self.has_states else None
+        if any(s is None for s in slots) or (self.has_states and state is None):
+            raise LookupError(f"lookup of request {request_id!r} is stale")
+        for k in keys[:n]:
+            self.pages.pin(k)
+        if self.has_states:
+            self.states.pin(keys[n - 1])
+        self.stats["hits"] += 1
+        self.stats["hit_tokens"] += hit_tokens
+        t = Ticket(hit_tokens, [(k, False) for k in keys[:n]], [(keys[n - 1], False)] if self.has_states else [])
+        return self._issue(t), slots, state  # type: ignore[return-value]
+
+    def plan_store(
+        self, request_id: str, tokens: Sequence[int], seq_len: int | None = None, namespace: bytes = b""
+    ) -> tuple[int, list[int], list[int], list[int], list[int]]:
+        """(ticket, page_indices, page_slots, state_boundaries, state_slots)"""
+        seq_len = len(tokens) if seq_len is None else seq_len
+        keys = self.chain(request_id, tokens, namespace)
+        held, missing = [], []
+        for i, k in enumerate(keys):
+            e = self.pages.entries.get(k)
+            if e is None:
+                missing.append(i)
+            elif e.ready:
+                self.pages.pin(k)
+                held.append(i)
+        pages_wanted = bool(missing)
+        missing = missing[: self.pages.available()]
+        new_slots = self.pages.reserve([keys[i] for i in missing]) or []
+        pages = sorted([(i, False) for i in held] + [(i, True) for i in missing])
+        run = 0
+        while run < len(keys) and keys[run] in self.pages.entries:
+            run += 1
+        states: list[tuple[int, bool]] = []
+        boundaries: list[int] = []
+        state_slots: list[int] = []
+        states_wanted = False
+        if self.has_states:
+            lowest = max(len(keys) - self.state_lookback_blocks, 1)
+            for blocks in range(run, lowest - 1, -1):
+                b = blocks * self.block_size
+                if b + self.ring_slack < seq_len:
+                    break
+                k = keys[blocks - 1]
+                e = self.states.entries.get(k)
+                if e is None:
+                    states_wanted = True
+                    got = self.states.reserve([k])
+                    if got is not None:
+                        states.append((k, True))
+                        boundaries.append(b)
+                        state_slots.append(got[0])
+                elif e.ready:
+                    self.states.pin(k)
+                    states.append((k, False))
+        if new_slots or state_slots:
+            self.stats["stores"] += 1
+        elif pages_wanted or states_wanted:
+            self.stats["store_skipped"] += 1
+        t = Ticket(None, [(keys[i], new) for i, new in pages], states)
+        return self._issue(t), missing, new_slots, boundaries, state_slots
+
+    def _issue(self, t: Ticket) -> int:
+        tid = self.next_ticket
+        self.next_ticket += 1
+        self.tickets[tid] = t
+        return tid
+
+    def complete(self, ticket: int) -> None:
+        t = self.tickets.pop(ticket)
+        for k, new in reversed(t.pages):
+            if new:
+                self.pages.entries[k].ready = True
+                self.stats["pages_stored"] += 1
+            self.pages.unpin(k)
+        for k, new in t.states:
+            if new:
+                self.states.entries[k].ready = True
+                self.stats["states_stored"] += 1
+            self.states.unpin(k)
+        if t.load_tokens is not None:
+            self.stats["pages_loaded"] += len(t.pages)
+            self.stats["states_loaded"] += len(t.states)
+
+    def abort(self, ticket: int) -> None:
+        t = self.tickets.pop(ticket)
+        for pool, entries in ((self.pages, t.pages), (self.states, t.states)):
+            for k, new in entries:
+                if new:
+                    pool.discard(k)
+                else:
+                    pool.unpin(k)
+        if t.load_tokens is not None:
+            self.stats["hits"] -= 1
+            self.stats["hit_tokens"] -= t.load_tokens
+        self.stats["errors"] += 1
+
+    def forget(self, request_id: str) -> bool:
+        self.counted.discard(request_id)
+        forget = getattr(self.chain_fn, "forget", None)
+        if forget is not None:
+            forget(request_id, None)
+        return self.chains.pop(request_id, None) is not None
