@@ -6,7 +6,8 @@ How a prefix cache is wired (the DeepInfer engine shape):
   pages of its first r tokens and its state, and prefill starts at r. r == 0: a miss; the engine allocates.
   r == -1: retry later; the request keeps its place at the head of the queue and admission stops for this step.
 - After a step's GPU work is enqueued: `cache.on_prefill_step(scheduled, finished)`, with the sequences that ran
-  prefill chunks and those that finished this step. Finished sequences still own their blocks during the call.
+  prefill chunks and those that finished this step (called on every step that has either). Finished sequences
+  still own their blocks during the call.
 - Every step: `cache.poll()`. After a finished sequence's blocks are freed: `cache.forget(request_id)`.
 
 Block reuse is safe without waiting for the cache's GPU->host copies: on CUDA the cache enqueues them on the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -42,9 +43,12 @@ class Engine:
     Exposed to a prefix cache: cache_config, scheduler, gpu_blocks (page-first) or gpu_layers (layer-first),
     gpu_states / state_bytes / ring_slack (None / 0 / ring_slack without sliding layers), select_state and
     load_state.
+
+    A cache is built from the engine's pools, so it may be attached after construction: `engine.cache = cache`.
+    Timing is honest on CUDA: every emitted token is read back to the host, which waits for the GPU.
     """
 
-    def __init__(self, config: EngineConfig, cache: PrefixCache | Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, cache: PrefixCache | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
