@@ -59,8 +59,8 @@ class Scheduler:
         if blocks is None:
             return False
         seq.block_table = blocks
-        if self._needs_state:
-            (seq.state_id,) = self.state_slots.take(1) or ()
+        state = self.state_slots.take(1) if self._needs_state else None
+        seq.state_id = state[0] if state else None
         return True
 
     def free_seq(self, seq: Sequence) -> None:
