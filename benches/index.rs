@@ -1,1 +1,134 @@
-fn main() {}
+//! Index operations: chain extension per page (both hash kinds), the lookup walk, store planning, eviction under
+//! a full pool, and the L3 seen-set.
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use kvtier::chain::{BlockHasher, Chain, HashKind};
+use kvtier::l3::SeenSet;
+use kvtier::{Config, Index};
+
+const BLOCK: usize = 16;
+const PAGES: usize = 2048; // a 32K-token prompt
+
+fn tokens(n: usize, seed: u32) -> Vec<i32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) % 150_000) as i32).collect()
+}
+
+fn config(page_slots: u32) -> Config {
+    Config {
+        page_slots,
+        state_slots: 0,
+        block_size: BLOCK,
+        keep_tokens: 1,
+        min_hit_tokens: 2 * BLOCK,
+        state_lookback_blocks: 4,
+        ring_slack: 0,
+        hash_kind: HashKind::Blake3,
+        hash_key: Vec::new(),
+    }
+}
+
+fn stored(page_slots: u32, prompt: &[i32]) -> Index {
+    let mut ix = Index::new(config(page_slots), page_slots, 0).unwrap();
+    let t = ix.plan_store("warm", b"", prompt, prompt.len()).unwrap().ticket;
+    ix.complete(t).unwrap();
+    ix
+}
+
+fn chain_extend(c: &mut Criterion) {
+    let t = tokens(PAGES * BLOCK, 1);
+    let mut g = c.benchmark_group("chain_extend");
+    g.throughput(Throughput::Elements(PAGES as u64));
+    for kind in [HashKind::Blake3, HashKind::Xxh3] {
+        let h = BlockHasher::new(kind, b"");
+        g.bench_function(kind.name(), |b| {
+            b.iter(|| {
+                let mut chain = Chain::default();
+                chain.extend(&h, BLOCK, b"", black_box(&t));
+                chain
+            })
+        });
+    }
+    g.finish();
+}
+
+fn lookup_walk(c: &mut Criterion) {
+    let t = tokens(PAGES * BLOCK, 2);
+    let mut ix = stored(PAGES as u32 * 2, &t);
+    ix.chain("r", b"", &t).unwrap();
+    let mut g = c.benchmark_group("lookup_walk");
+    g.throughput(Throughput::Elements(PAGES as u64));
+    g.bench_function("2048_pages_chained", |b| b.iter(|| ix.lookup("r", b"", black_box(&t)).unwrap()));
+    g.finish();
+}
+
+fn store_planning(c: &mut Criterion) {
+    let t = tokens(PAGES * BLOCK, 3);
+    let mut g = c.benchmark_group("plan_store");
+    g.throughput(Throughput::Elements(PAGES as u64));
+    g.bench_function("all_present", |b| {
+        let mut ix = stored(PAGES as u32 * 2, &t);
+        b.iter(|| {
+            let p = ix.plan_store("warm", b"", black_box(&t), t.len()).unwrap();
+            ix.complete(p.ticket).unwrap();
+        })
+    });
+    g.bench_function("all_new", |b| {
+        b.iter_batched(
+            || {
+                let mut ix = Index::new(config(PAGES as u32), PAGES as u32, 0).unwrap();
+                ix.chain("r", b"", &t).unwrap();
+                ix
+            },
+            |mut ix| {
+                let p = ix.plan_store("r", b"", &t, t.len()).unwrap();
+                ix.complete(p.ticket).unwrap();
+                ix
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
+fn eviction_full_pool(c: &mut Criterion) {
+    // The pool holds one prompt; storing another evicts all of it.
+    let a = tokens(PAGES * BLOCK, 4);
+    let b2 = tokens(PAGES * BLOCK, 5);
+    let mut g = c.benchmark_group("evict_full_pool");
+    g.throughput(Throughput::Elements(PAGES as u64));
+    g.bench_function("2048_pages", |b| {
+        b.iter_batched(
+            || {
+                let mut ix = stored(PAGES as u32, &a);
+                ix.chain("b", b"", &b2).unwrap();
+                ix
+            },
+            |mut ix| {
+                let p = ix.plan_store("b", b"", &b2, b2.len()).unwrap();
+                ix.complete(p.ticket).unwrap();
+                ix
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
+fn seen_set(c: &mut Criterion) {
+    let mut g = c.benchmark_group("seen_set");
+    g.throughput(Throughput::Elements(1));
+    let mut s = SeenSet::new(1 << 16).unwrap();
+    let mut k: u128 = 0;
+    g.bench_function("insert_full", |b| {
+        b.iter(|| {
+            k = k.wrapping_add(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+            s.insert(black_box(k))
+        })
+    });
+    g.bench_function("contains", |b| b.iter(|| s.contains(black_box(k))));
+    g.finish();
+}
+
+criterion_group!(benches, chain_extend, lookup_walk, store_planning, eviction_full_pool, seen_set);
+criterion_main!(benches);

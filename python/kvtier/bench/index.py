@@ -1,0 +1,116 @@
+"""`kvtier bench index`: the Rust index against the plain-Python bookkeeping on the same operation trace.
+
+The trace is a multi-turn workload: conversations share a system prompt, each turn's prompt is the previous turn's
+prompt plus new tokens, and the host pool is small enough to evict. For every turn both implementations look the
+prompt up (and load the hit), then plan and complete its store. Times are per operation, wall clock, in one
+process; the Rust side includes turning the engine's token list into an int32 array.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier import Index
+from kvtier.pyindex import PyIndex
+
+
+def make_trace(conversations: int, turns: int, system: int, turn_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
+    rng = np.random.default_rng(seed)
+    system_prompt = rng.integers(0, 32000, size=system).tolist()
+    histories = [list(system_prompt) for _ in range(conversations)]
+    trace = []
+    for t in range(turns):
+        for c in range(conversations):
+            histories[c] = histories[c] + rng.integers(0, 32000, size=turn_tokens).tolist()
+            trace.append((f"c{c}t{t}", list(histories[c])))
+    return trace
+
+
+def run_rust(trace: Sequence[tuple[str, list[int]]], page_slots: int, block_size: int) -> tuple[float, float, int]:
+    ix = Index(page_slots, block_size=block_size)
+    lookup_s = store_s = 0.0
+    hit_tokens = 0
+    for rid, tokens in trace:
+        t0 = time.perf_counter()
+        arr = np.asarray(tokens, dtype=np.int32)
+        hit = ix.lookup(rid, arr).hit_tokens
+        if hit:
+            ix.complete(ix.begin_load(rid, hit).ticket)
+        t1 = time.perf_counter()
+        ix.complete(ix.plan_store(rid, arr).ticket)
+        ix.forget(rid)
+        t2 = time.perf_counter()
+        lookup_s += t1 - t0
+        store_s += t2 - t1
+        hit_tokens += hit
+    return lookup_s, store_s, hit_tokens
+
+
+def run_python(trace: Sequence[tuple[str, list[int]]], page_slots: int, block_size: int) -> tuple[float, float, int]:
+    ix = PyIndex(page_slots, block_size=block_size)
+    lookup_s = store_s = 0.0
+    hit_tokens = 0
+    for rid, tokens in trace:
+        t0 = time.perf_counter()
+        hit = ix.lookup(rid, tokens)[0]
+        if hit:
+            ix.complete(ix.begin_load(rid, hit)[0])
+        t1 = time.perf_counter()
+        ix.complete(ix.plan_store(rid, tokens)[0])
+        ix.forget(rid)
+        t2 = time.perf_counter()
+        lookup_s += t1 - t0
+        store_s += t2 - t1
+        hit_tokens += hit
+    return lookup_s, store_s, hit_tokens
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench index", description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=2048)
+    ap.add_argument("--turn-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--page-slots", type=int, default=4096, help="host pool size in pages (small: it evicts)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each side; the fastest counts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args(argv)
+    trace = make_trace(a.conversations, a.turns, a.system_tokens, a.turn_tokens, a.seed)
+    ops = len(trace)
+    tokens = sum(len(t) for _, t in trace)
+    rust = min((run_rust(trace, a.page_slots, a.block_size) for _ in range(a.repeat)), key=lambda r: r[0] + r[1])
+    py = min((run_python(trace, a.page_slots, a.block_size) for _ in range(a.repeat)), key=lambda r: r[0] + r[1])
+    if rust[2] != py[2]:
+        raise SystemExit(f"the two implementations disagree: {rust[2]} vs {py[2]} hit tokens")
+    out = {
+        "ops": ops,
+        "tokens": tokens,
+        "avg_prompt_tokens": tokens / ops,
+        "hit_tokens": rust[2],
+        "rust_lookup_us": rust[0] / ops * 1e6,
+        "python_lookup_us": py[0] / ops * 1e6,
+        "rust_store_us": rust[1] / ops * 1e6,
+        "python_store_us": py[1] / ops * 1e6,
+    }
+    out["speedup_lookup"] = out["python_lookup_us"] / out["rust_lookup_us"]
+    out["speedup_store"] = out["python_store_us"] / out["rust_store_us"]
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{ops} turns, {tokens} prompt tokens ({out['avg_prompt_tokens']:.0f} a prompt), {rust[2]} hit tokens")
+    print(f"{'op':<8} {'rust us':>10} {'python us':>10} {'speedup':>8}")
+    for op in ("lookup", "store"):
+        r, p = out[f"rust_{op}_us"], out[f"python_{op}_us"]
+        print(f"{op:<8} {r:>10.1f} {p:>10.1f} {p / r:>7.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
