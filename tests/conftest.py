@@ -30,3 +30,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- Mooncake fixtures (L3 tier) -------------------------------------------------------------------------------
+# Self-contained: a real master and holder on free loopback ports, and one Store client, shared per test module.
+# Tests that kill or restart the master start their own LocalMooncake instead.
+
+
+@pytest.fixture(scope="module")
+def mooncake_server():  # type: ignore[no-untyped-def]
+    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    from kvtier.l3.server import LocalMooncake
+
+    with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=200) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(mooncake_server):  # type: ignore[no-untyped-def]
+    from kvtier.l3.store import MooncakeStore, StoreConfig
+
+    store = MooncakeStore(StoreConfig(mooncake_server.master_addr))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+# ---- end of Mooncake fixtures ----------------------------------------------------------------------------------

@@ -208,6 +208,15 @@ class LocalMooncake:
     def holder_running(self) -> bool:
         return self._holder is not None and self._holder.running()
 
+    @property
+    def master_pid(self) -> int | None:
+        """Process id of the current master (for fault tests that signal it), None when not started."""
+        return self._master.proc.pid if self._master is not None else None
+
+    def pids(self) -> list[int]:
+        """Process ids of the children started so far that still run (empty after stop)."""
+        return [p.proc.pid for p in self._children if p.running()]
+
     def __enter__(self) -> LocalMooncake:
         self.start()
         return self
