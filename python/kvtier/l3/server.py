@@ -47,11 +47,15 @@ def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
+# Looked up here, not in the child: after fork only the forking thread exists, and dlopen's lock may be held by a
+# thread that is gone.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: the kernel kills it when the thread that started it exits, so a
     # killed test run leaves no master or holder behind.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
