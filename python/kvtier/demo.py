@@ -1,0 +1,238 @@
+"""`kvtier demo`: multi-turn conversations through the reference engine, with the host prefix cache off and on.
+
+Every conversation starts from one shared system prompt; each turn's prompt is the whole history so far (earlier
+prompts, the engine's own answers, a new user message). Conversations are interleaved and the GPU pool only holds
+the running requests, so without the cache every turn recomputes its whole history. The two runs must generate
+identical tokens; the table shows what the cache saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    ttft_ms: dict[str, float] = field(default_factory=dict)  # request id -> time to first token
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Progress:
+    """A one-line progress bar on stderr (nothing when stderr is not a terminal and quiet is set)."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.done, self.quiet = total, 0, quiet
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        width = 30
+        filled = width * self.done // self.total
+        elapsed = time.perf_counter() - self.t0
+        bar = "#" * filled + "-" * (width - filled)
+        end = "\n" if self.done == self.total else ""
+        print(f"\r[{bar}] {self.done}/{self.total} {label:<22} {elapsed:6.1f}s", end=end, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace, cache_on: bool, progress: Progress) -> RunResult:
+    import torch
+
+    from kvtier.deepinfer import Cache
+    from kvtier.engine import Engine, EngineConfig
+
+    torch.manual_seed(args.seed)
+    cfg = EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        layout=args.layout,
+        block_size=args.block_size,
+        num_gpu_blocks=args.gpu_blocks,
+        max_batch=args.max_batch,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+    )
+    engine = Engine(cfg)
+    cache = None
+    if cache_on:
+        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True)
+        engine.cache = cache
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, cfg.vocab, size=args.system_tokens).tolist()
+    histories = [list(system) for _ in range(args.conversations)]
+    res = RunResult()
+    t0 = time.perf_counter()
+    for turn in range(args.turns):
+        ids = []
+        for c in range(args.conversations):
+            histories[c] += rng.integers(0, cfg.vocab, size=args.user_tokens).tolist()
+            rid = f"c{c}-t{turn}"
+            engine.add_request(rid, list(histories[c]), args.answer_tokens)
+            res.prompt_tokens += len(histories[c])
+            ids.append((c, rid))
+        engine.run_until_done()
+        for c, rid in ids:
+            out = engine.outputs[rid]
+            res.outputs[rid] = out
+            histories[c] += out
+            ttft = engine.stats[rid].ttft
+            res.ttft_ms[rid] = (ttft or 0.0) * 1e3
+        progress.step(f"cache {'on' if cache_on else 'off'}, turn {turn + 1}")
+    res.seconds = time.perf_counter() - t0
+    res.prefill_tokens = engine.total_prefill_tokens_computed
+    if cache is not None:
+        res.stats = cache.stats_dict()
+        cache.close()
+    return res
+
+
+def per_turn(res: RunResult, turns: int) -> list[float]:
+    """Median time to first token of each turn, in ms."""
+    return [float(np.median([v for k, v in res.ttft_ms.items() if k.endswith(f"-t{t}")])) for t in range(turns)]
+
+
+def summarize(args: argparse.Namespace, off: RunResult, on: RunResult) -> dict[str, Any]:
+    identical = off.outputs == on.outputs
+    s = on.stats
+    # Turn 0 has nothing to hit but the system prompt; the later turns are where a cache pays.
+    later = [k for k in off.ttft_ms if not k.endswith("-t0")]
+    return {
+        "identical": identical,
+        "requests": len(off.outputs),
+        "prompt_tokens": off.prompt_tokens,
+        "prefill_tokens_off": off.prefill_tokens,
+        "prefill_tokens_on": on.prefill_tokens,
+        "hit_rate": s.get("token_hit_rate", 0.0),
+        "ttft_p50_off_ms": float(np.percentile(list(off.ttft_ms.values()), 50)),
+        "ttft_p50_on_ms": float(np.percentile(list(on.ttft_ms.values()), 50)),
+        "ttft_p99_off_ms": float(np.percentile(list(off.ttft_ms.values()), 99)),
+        "ttft_p99_on_ms": float(np.percentile(list(on.ttft_ms.values()), 99)),
+        "ttft_p50_later_turns_off_ms": float(np.percentile([off.ttft_ms[k] for k in later], 50)) if later else 0.0,
+        "ttft_p50_later_turns_on_ms": float(np.percentile([on.ttft_ms[k] for k in later], 50)) if later else 0.0,
+        "ttft_per_turn_off_ms": per_turn(off, args.turns),
+        "ttft_per_turn_on_ms": per_turn(on, args.turns),
+        "seconds_off": off.seconds,
+        "seconds_on": on.seconds,
+        "pages_to_host": s.get("pages_stored", 0),
+        "pages_to_gpu": s.get("pages_loaded", 0),
+        "states_to_host": s.get("states_stored", 0),
+        "states_to_gpu": s.get("states_loaded", 0),
+        "bytes_to_host": s.get("bytes_to_host", 0),
+        "bytes_to_gpu": s.get("bytes_to_gpu", 0),
+        "host_pages_used": s.get("pages_used", 0),
+        "host_page_slots": s.get("page_slots", 0),
+        "host_states_used": s.get("states_used", 0),
+        "host_state_slots": s.get("state_slots", 0),
+        "pages_evicted": s.get("pages_evicted", 0),
+        "deferred": s.get("deferred", 0),
+        "cache_errors": s.get("errors", 0),
+        "device": args.device,
+        "model": args.model,
+        "layout": args.layout,
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    mib = 1 << 20
+    rows = [
+        ("requests (conversations x turns)", f"{r['requests']}", ""),
+        ("prompt tokens", f"{r['prompt_tokens']}", ""),
+        ("prefill tokens computed", f"{r['prefill_tokens_off']}", f"{r['prefill_tokens_on']}"),
+        ("token hit rate", "-", f"{r['hit_rate']:.1%}"),
+        ("TTFT p50 (ms)", f"{r['ttft_p50_off_ms']:.1f}", f"{r['ttft_p50_on_ms']:.1f}"),
+        ("TTFT p99 (ms)", f"{r['ttft_p99_off_ms']:.1f}", f"{r['ttft_p99_on_ms']:.1f}"),
+        ("TTFT p50, turns 2+ (ms)", f"{r['ttft_p50_later_turns_off_ms']:.1f}", f"{r['ttft_p50_later_turns_on_ms']:.1f}"),
+        ("wall time (s)", f"{r['seconds_off']:.1f}", f"{r['seconds_on']:.1f}"),
+        ("pages / states GPU->host", "-", f"{r['pages_to_host']} / {r['states_to_host']}"),
+        ("pages / states host->GPU", "-", f"{r['pages_to_gpu']} / {r['states_to_gpu']}"),
+        ("MiB GPU->host / host->GPU", "-", f"{r['bytes_to_host'] / mib:.1f} / {r['bytes_to_gpu'] / mib:.1f}"),
+        ("host pool pages used", "-", f"{r['host_pages_used']} of {r['host_page_slots']}"),
+        ("host pool states used", "-", f"{r['host_states_used']} of {r['host_state_slots']}"),
+        ("GPU-pool deferrals", "-", f"{r['deferred']}"),
+    ]
+    print(f"\n{'':<34} {'cache off':>12} {'cache on':>18}")
+    for name, a, b in rows:
+        print(f"{name:<34} {a:>12} {b:>18}")
+    print("\nper turn, median TTFT (ms):  " + "  ".join(
+        f"t{t + 1}: {a:.0f} -> {b:.0f}" for t, (a, b) in enumerate(zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"]))
+    ))  # fmt: skip
+    verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
+    print(f"generated tokens with the cache on vs off: {verdict}")
+
+
+def plot(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = range(1, len(r["ttft_per_turn_off_ms"]) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(turns, r["ttft_per_turn_off_ms"], "o-", label="cache off")
+    ax.plot(turns, r["ttft_per_turn_on_ms"], "s-", label="kvtier host cache on")
+    ax.set_xlabel("turn of the conversation")
+    ax.set_ylabel("median time to first token (ms)")
+    ax.set_title(f"kvtier demo: {r['model']} model on {r['device']}, hit rate {r['hit_rate']:.0%}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--model", default="small", help="model size preset: tiny, small, medium, large")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"])
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--user-tokens", type=int, default=48)
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--gpu-blocks", type=int, default=160, help="GPU KV pool, in blocks (small: it evicts)")
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--host-mib", type=int, default=256, help="host pool size")
+    ap.add_argument("--state-slots", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw time to first token per turn, cache off vs on")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    progress = Progress(2 * args.turns, args.quiet or args.json)
+    off = run(args, False, progress)
+    on = run(args, True, progress)
+    r = summarize(args, off, on)
+    if args.plot:
+        plot(r, args.plot)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print_table(r)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0 if r["identical"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
