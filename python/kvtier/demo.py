@@ -53,6 +53,7 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress) -> RunResu
 
     from kvtier.deepinfer import Cache
     from kvtier.engine import Engine, EngineConfig
+    from kvtier.workload import Conversations
 
     torch.manual_seed(args.seed)
     cfg = EngineConfig.preset(
@@ -71,27 +72,14 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress) -> RunResu
     if cache_on:
         cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True)
         engine.cache = cache
-    rng = np.random.default_rng(args.seed)
-    system = rng.integers(0, cfg.vocab, size=args.system_tokens).tolist()
-    histories = [list(system) for _ in range(args.conversations)]
+    work = Conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
+                         args.answer_tokens, args.seed)  # fmt: skip
     res = RunResult()
     t0 = time.perf_counter()
-    for turn in range(args.turns):
-        ids = []
-        for c in range(args.conversations):
-            histories[c] += rng.integers(0, cfg.vocab, size=args.user_tokens).tolist()
-            rid = f"c{c}-t{turn}"
-            engine.add_request(rid, list(histories[c]), args.answer_tokens)
-            res.prompt_tokens += len(histories[c])
-            ids.append((c, rid))
-        engine.run_until_done()
-        for c, rid in ids:
-            out = engine.outputs[rid]
-            res.outputs[rid] = out
-            histories[c] += out
-            ttft = engine.stats[rid].ttft
-            res.ttft_ms[rid] = (ttft or 0.0) * 1e3
-        progress.step(f"cache {'on' if cache_on else 'off'}, turn {turn + 1}")
+    label = "on" if cache_on else "off"
+    res.outputs = work.run(engine, on_turn=lambda t: progress.step(f"cache {label}, turn {t + 1}"))
+    res.ttft_ms = {rid: (engine.stats[rid].ttft or 0.0) * 1e3 for rid in res.outputs}
+    res.prompt_tokens = sum(engine.stats[rid].prompt_tokens for rid in res.outputs)
     res.seconds = time.perf_counter() - t0
     res.prefill_tokens = engine.total_prefill_tokens_computed
     if cache is not None:
@@ -199,14 +187,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="small", help="model size preset: tiny, small, medium, large")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"])
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=256)
-    ap.add_argument("--user-tokens", type=int, default=48)
-    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--user-tokens", type=int, default=64)
+    ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--gpu-blocks", type=int, default=160, help="GPU KV pool, in blocks (small: it evicts)")
+    ap.add_argument("--gpu-blocks", type=int, default=200, help="GPU KV pool, in blocks (small: it evicts)")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--host-mib", type=int, default=256, help="host pool size")
     ap.add_argument("--state-slots", type=int, default=256)
