@@ -1,5 +1,19 @@
-// kvtier's CUDA code: page copies between a GPU pool and pinned host memory.
+// kvtier's CUDA code: page copies between a GPU pool and pinned host memory through UVA pointers.
+//
+// The kernel sees a batch as one flat run of 16-byte vectors: page, then layer chunk, then vector. Each block
+// takes tiles of threads * kUnroll vectors; each thread issues all kUnroll loads of a tile before its stores, so
+// a few blocks keep enough PCIe requests in flight to reach the link's ceiling. Neighbouring threads read
+// neighbouring vectors whatever the chunk size: small layer chunks (a 16 KiB page over 61 layers is 272 bytes a
+// chunk) still fill whole warps, since a warp simply runs on into the next chunk.
+//
+// Ids travel by value in the kernel parameters (CUDA 12.1+ allows 32764 bytes on sm_70+), so nothing the caller
+// owns has to outlive the call and no id buffer has to be fenced with events; batches larger than one launch's
+// id capacity are split into several launches on the same stream.
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
 
 #include "copy.h"
 
@@ -13,3 +27,164 @@ extern "C" int kvtier_cuda_device_count(void) {
   }
   return n;
 }
+
+extern "C" const char* kvtier_cuda_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+extern "C" int kvtier_cuda_host_register(void* ptr, size_t bytes) {
+  return cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+}
+
+extern "C" int kvtier_cuda_host_unregister(void* ptr) { return cudaHostUnregister(ptr); }
+
+namespace {
+
+constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
+constexpr int kParamBytes = 32764;
+
+struct Head {
+  uint64_t host_base;
+  uint64_t slot_bytes;
+  uint32_t chunk_vecs;  // 16-byte vectors in one layer chunk
+  uint32_t layers;
+  uint32_t to_host;
+  uint32_t pad;
+};
+
+template <int L, int N>
+struct Params {
+  Head h;
+  kvtier_layer layer[L];
+  int32_t gpu_id[N];
+  int32_t host_id[N];
+};
+
+// Id capacity of one launch: as many as fit in the parameter space beside the head and the layer table.
+template <int L>
+constexpr int kMaxIds = (kParamBytes - static_cast<int>(sizeof(Head)) - L * static_cast<int>(sizeof(kvtier_layer))) / 8 / 16 * 16;
+constexpr int kSmallIds = 128;  // small batches (states, a few pages) copy a few hundred bytes of parameters only
+
+static_assert(sizeof(Params<1, kMaxIds<1>>) <= kParamBytes, "parameter space");
+static_assert(sizeof(Params<KVTIER_MAX_LAYERS, kMaxIds<KVTIER_MAX_LAYERS>>) <= kParamBytes, "parameter space");
+
+template <int L, int N>
+__device__ __forceinline__ void locate(const Params<L, N>& p, uint32_t g, const uint4*& src, uint4*& dst) {
+  const uint32_t c = g / p.h.chunk_vecs;
+  const uint32_t v = g - c * p.h.chunk_vecs;
+  const uint32_t page = L == 1 ? c : c / p.h.layers;
+  const uint32_t l = L == 1 ? 0 : c - page * p.h.layers;
+  const kvtier_layer& layer = p.layer[l];
+  char* dev = reinterpret_cast<char*>(layer.base) + static_cast<uint64_t>(p.gpu_id[page]) * layer.stride +
+              static_cast<uint64_t>(v) * 16;
+  char* host = reinterpret_cast<char*>(p.h.host_base) + static_cast<uint64_t>(p.host_id[page]) * p.h.slot_bytes +
+               (static_cast<uint64_t>(l) * p.h.chunk_vecs + v) * 16;
+  src = reinterpret_cast<const uint4*>(p.h.to_host ? dev : host);
+  dst = reinterpret_cast<uint4*>(p.h.to_host ? host : dev);
+}
+
+template <int L, int N>
+__global__ void __launch_bounds__(1024) copy_pages_kernel(const __grid_constant__ Params<L, N> p, uint32_t total) {
+  const uint32_t tile = blockDim.x * kUnroll;
+  for (uint32_t t0 = blockIdx.x * tile; t0 < total; t0 += gridDim.x * tile) {
+    uint4 v[kUnroll];
+    uint4* dst[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t g = t0 + k * blockDim.x + threadIdx.x;
+      if (g < total) {
+        const uint4* src;
+        locate(p, g, src, dst[k]);
+        v[k] = __ldcs(src);  // streaming: the pages are not read again soon, keep L2 for the model
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (t0 + k * blockDim.x + threadIdx.x < total) __stcs(dst[k], v[k]);
+    }
+  }
+}
+
+template <int L, int N>
+int launch(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* host_ids, size_t n, cudaStream_t s) {
+  Params<L, N> p;
+  p.h.host_base = d->host_base;
+  p.h.slot_bytes = d->slot_bytes;
+  p.h.chunk_vecs = static_cast<uint32_t>(d->chunk_bytes / 16);
+  p.h.layers = d->num_layers;
+  p.h.to_host = d->to_host ? 1 : 0;
+  p.h.pad = 0;
+  std::memcpy(p.layer, d->layers, sizeof(kvtier_layer) * d->num_layers);
+  const uint64_t page_vecs = static_cast<uint64_t>(p.h.chunk_vecs) * d->num_layers;
+  // The kernel indexes vectors with 32 bits: keep each launch below 2^31 of them.
+  const size_t per_launch = std::min<uint64_t>(N, (static_cast<uint64_t>(INT_MAX) - 1) / page_vecs);
+  const uint32_t tile = d->threads * kUnroll;
+  for (size_t off = 0; off < n; off += per_launch) {
+    const size_t m = std::min(per_launch, n - off);
+    std::memcpy(p.gpu_id, gpu_ids + off, m * sizeof(int32_t));
+    std::memcpy(p.host_id, host_ids + off, m * sizeof(int32_t));
+    const uint32_t total = static_cast<uint32_t>(m * page_vecs);
+    const uint32_t grid = std::min<uint32_t>(d->blocks, (total + tile - 1) / tile);
+    copy_pages_kernel<L, N><<<grid, d->threads, 0, s>>>(p, total);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+int set_device(int device) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  return err;
+}
+
+}  // namespace
+
+extern "C" int kvtier_copy_pages(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* host_ids,
+                                 size_t n, void* stream) {
+  if (n == 0) return cudaSuccess;
+  if (d->num_layers == 0 || d->num_layers > KVTIER_MAX_LAYERS || d->chunk_bytes == 0 || d->chunk_bytes % 16 != 0 ||
+      d->chunk_bytes / 16 * d->num_layers >= INT_MAX || d->threads == 0 || d->threads > 1024 ||
+      d->threads % 32 != 0 || d->blocks == 0)
+    return cudaErrorInvalidValue;
+  int err = set_device(d->device);
+  if (err != cudaSuccess) return err;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (d->num_layers == 1)
+    err = n <= kSmallIds ? launch<1, kSmallIds>(d, gpu_ids, host_ids, n, s)
+                         : launch<1, kMaxIds<1>>(d, gpu_ids, host_ids, n, s);
+  else
+    err = n <= kSmallIds ? launch<KVTIER_MAX_LAYERS, kSmallIds>(d, gpu_ids, host_ids, n, s)
+                         : launch<KVTIER_MAX_LAYERS, kMaxIds<KVTIER_MAX_LAYERS>>(d, gpu_ids, host_ids, n, s);
+  if (err == cudaSuccess && d->debug_sync) err = cudaStreamSynchronize(s);
+  return err;
+}
+
+extern "C" int kvtier_cuda_event_create(int device, void** event) {
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  cudaEvent_t ev = nullptr;
+  err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  *event = ev;
+  return err;
+}
+
+extern "C" int kvtier_cuda_event_record(void* event, void* stream) {
+  return cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int kvtier_cuda_event_query(void* event) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // "not ready" is an answer, not an error: keep it out of the next launch's check
+    return 1;
+  }
+  return err;
+}
+
+extern "C" int kvtier_cuda_event_synchronize(void* event) {
+  return cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+}
+
+extern "C" int kvtier_cuda_event_destroy(void* event) { return cudaEventDestroy(static_cast<cudaEvent_t>(event)); }

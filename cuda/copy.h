@@ -1,5 +1,7 @@
-// C interface of kvtier's CUDA code, called from Rust (rust/cuda.rs).
+// C interface of kvtier's CUDA code, called from Rust (rust/cuda.rs). Every function that can fail returns a
+// cudaError_t value (0 = success); kvtier_cuda_error_string turns it into CUDA's message.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -11,6 +13,52 @@ int kvtier_cuda_runtime_version(void);
 
 // Number of visible CUDA devices; 0 when there is no driver or device (never fails).
 int kvtier_cuda_device_count(void);
+
+// CUDA's name and description of an error code.
+const char* kvtier_cuda_error_string(int code);
+
+// Page-lock (pin) and map host memory for every device (cudaHostRegister, portable + mapped), and undo it.
+int kvtier_cuda_host_register(void* ptr, size_t bytes);
+int kvtier_cuda_host_unregister(void* ptr);
+
+// One GPU layer tensor of a page pool: block b's chunk of the page is at base + b * stride.
+typedef struct {
+  uint64_t base;
+  uint64_t stride;
+} kvtier_layer;
+
+// Most layer tensors a pool may have (one for page-first pools).
+#define KVTIER_MAX_LAYERS 256
+
+// A batch of page copies between a GPU pool (num_layers tensors, chunk_bytes a page per tensor) and a host pool
+// (slot s at host_base + s * slot_bytes, the layer chunks back to back). Page i moves between GPU block
+// gpu_ids[i] and host slot host_ids[i]; to_host says which way. Ids are read on the host and passed to the kernel
+// by value, so the arrays may be freed as soon as this returns. Launches on `stream` of `device` with at most
+// `blocks` blocks of `threads` threads and never synchronizes, unless debug_sync (then it waits for the stream
+// and reports the kernel's own error). Arguments are validated by the caller.
+typedef struct {
+  const kvtier_layer* layers;
+  uint32_t num_layers;
+  uint64_t chunk_bytes;
+  uint64_t host_base;
+  uint64_t slot_bytes;
+  int device;
+  uint32_t blocks;
+  uint32_t threads;
+  int to_host;
+  int debug_sync;
+} kvtier_copy_desc;
+
+int kvtier_copy_pages(const kvtier_copy_desc* desc, const int32_t* gpu_ids, const int32_t* host_ids, size_t n,
+                      void* stream);
+
+// Completion events (timing disabled). kvtier_cuda_event_query returns 0 when complete, 1 while pending, and a
+// CUDA error code otherwise; it never blocks.
+int kvtier_cuda_event_create(int device, void** event);
+int kvtier_cuda_event_record(void* event, void* stream);
+int kvtier_cuda_event_query(void* event);
+int kvtier_cuda_event_synchronize(void* event);
+int kvtier_cuda_event_destroy(void* event);
 
 #ifdef __cplusplus
 }

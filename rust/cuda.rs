@@ -1,15 +1,76 @@
-//! What the build compiled in: the CUDA runtime version and the devices visible now.
+//! The CUDA runtime calls kvtier makes (through cuda/copy.h): build probes, host registration, the page-copy
+//! launcher and completion events. Without CUDA compiled in, every call that needs it fails with
+//! `Error::Copy("CUDA is not compiled in")` and the probes report nothing.
+use std::ffi::c_void;
+
+use crate::error::{Error, Result};
 
 #[cfg(kvtier_cuda)]
 mod ffi {
+    use std::ffi::{c_char, c_void};
+
+    #[repr(C)]
+    pub struct CopyDesc {
+        pub layers: *const super::Layer,
+        pub num_layers: u32,
+        pub chunk_bytes: u64,
+        pub host_base: u64,
+        pub slot_bytes: u64,
+        pub device: i32,
+        pub blocks: u32,
+        pub threads: u32,
+        pub to_host: i32,
+        pub debug_sync: i32,
+    }
+
     extern "C" {
         pub fn kvtier_cuda_runtime_version() -> i32;
         pub fn kvtier_cuda_device_count() -> i32;
+        pub fn kvtier_cuda_error_string(code: i32) -> *const c_char;
+        pub fn kvtier_cuda_host_register(ptr: *mut c_void, bytes: usize) -> i32;
+        pub fn kvtier_cuda_host_unregister(ptr: *mut c_void) -> i32;
+        pub fn kvtier_copy_pages(
+            desc: *const CopyDesc,
+            gpu_ids: *const i32,
+            host_ids: *const i32,
+            n: usize,
+            stream: *mut c_void,
+        ) -> i32;
+        pub fn kvtier_cuda_event_create(device: i32, event: *mut *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_record(event: *mut c_void, stream: *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_query(event: *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_synchronize(event: *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_destroy(event: *mut c_void) -> i32;
     }
 }
 
 /// True when the copy kernel is compiled in.
 pub const COMPILED: bool = cfg!(kvtier_cuda);
+
+/// Most layer tensors a GPU pool may have (`KVTIER_MAX_LAYERS` in cuda/copy.h).
+pub const MAX_LAYERS: usize = 256;
+
+/// One GPU layer tensor of a page pool: block b's chunk of a page is at `base + b * stride` (bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layer {
+    pub base: u64,
+    pub stride: u64,
+}
+
+/// Where a batch of page copies goes and how it is launched (see `kvtier_copy_pages` in cuda/copy.h).
+#[derive(Debug, Clone, Copy)]
+pub struct Launch<'a> {
+    pub layers: &'a [Layer],
+    pub chunk_bytes: u64,
+    pub host_base: u64,
+    pub slot_bytes: u64,
+    pub device: i32,
+    pub blocks: u32,
+    pub threads: u32,
+    pub to_host: bool,
+    pub debug_sync: bool,
+}
 
 /// The CUDA runtime version compiled in (e.g. 13000), or None.
 pub fn runtime_version() -> Option<i32> {
@@ -27,4 +88,148 @@ pub fn device_count() -> i32 {
     return unsafe { ffi::kvtier_cuda_device_count() };
     #[cfg(not(kvtier_cuda))]
     0
+}
+
+#[cfg(kvtier_cuda)]
+fn check(code: i32, what: &str) -> Result<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static NUL-terminated string for any code.
+    let msg = unsafe { std::ffi::CStr::from_ptr(ffi::kvtier_cuda_error_string(code)) };
+    Err(Error::Copy(format!("{what}: CUDA error {code}: {}", msg.to_string_lossy())))
+}
+
+#[cfg(not(kvtier_cuda))]
+fn not_compiled<T>() -> Result<T> {
+    Err(Error::Copy("CUDA is not compiled in".into()))
+}
+
+/// Page-lock and map `bytes` of host memory at `ptr` for every device.
+///
+/// # Safety
+/// `ptr..ptr + bytes` must be mapped memory that stays mapped until `host_unregister(ptr)`.
+pub unsafe fn host_register(ptr: *mut u8, bytes: usize) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    return check(ffi::kvtier_cuda_host_register(ptr.cast(), bytes), "cudaHostRegister");
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (ptr, bytes);
+        not_compiled()
+    }
+}
+
+/// Undo `host_register(ptr, ..)`.
+///
+/// # Safety
+/// No copy may still be reading or writing the range.
+pub unsafe fn host_unregister(ptr: *mut u8) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    return check(ffi::kvtier_cuda_host_unregister(ptr.cast()), "cudaHostUnregister");
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = ptr;
+        not_compiled()
+    }
+}
+
+/// Launch the page copies of a batch on `stream` without waiting for them.
+///
+/// # Safety
+/// Every address the ids reach through `l` must be valid device-accessible memory (device memory or pinned host
+/// memory) until the copies complete on the stream; `stream` must be a stream of `l.device` or 0.
+pub unsafe fn copy_pages(l: &Launch<'_>, gpu_ids: &[i32], host_ids: &[i32], stream: u64) -> Result<()> {
+    debug_assert_eq!(gpu_ids.len(), host_ids.len());
+    #[cfg(kvtier_cuda)]
+    {
+        let desc = ffi::CopyDesc {
+            layers: l.layers.as_ptr(),
+            num_layers: u32::try_from(l.layers.len()).expect("layer count checked by the caller"),
+            chunk_bytes: l.chunk_bytes,
+            host_base: l.host_base,
+            slot_bytes: l.slot_bytes,
+            device: l.device,
+            blocks: l.blocks,
+            threads: l.threads,
+            to_host: i32::from(l.to_host),
+            debug_sync: i32::from(l.debug_sync),
+        };
+        let code = ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
+        check(code, "page copy kernel")
+    }
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (l, gpu_ids, host_ids, stream);
+        not_compiled()
+    }
+}
+
+/// A CUDA event without timing, destroyed on drop.
+#[derive(Debug)]
+pub struct Event(*mut c_void);
+
+// SAFETY: a CUDA event handle may be used from any host thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    pub fn new(device: i32) -> Result<Self> {
+        #[cfg(kvtier_cuda)]
+        {
+            let mut ev = std::ptr::null_mut();
+            // SAFETY: `ev` is a valid out-pointer.
+            check(unsafe { ffi::kvtier_cuda_event_create(device, &mut ev) }, "cudaEventCreate")?;
+            Ok(Self(ev))
+        }
+        #[cfg(not(kvtier_cuda))]
+        {
+            let _ = device;
+            not_compiled()
+        }
+    }
+
+    /// Record the event on `stream` (a raw cudaStream_t of the event's device, or 0).
+    pub fn record(&self, stream: u64) -> Result<()> {
+        #[cfg(kvtier_cuda)]
+        // SAFETY: the event is live; the stream handle comes from the caller's framework.
+        return check(unsafe { ffi::kvtier_cuda_event_record(self.0, stream as *mut c_void) }, "cudaEventRecord");
+        #[cfg(not(kvtier_cuda))]
+        {
+            let _ = stream;
+            not_compiled()
+        }
+    }
+
+    /// Whether the work before the event has completed; never blocks.
+    pub fn done(&self) -> Result<bool> {
+        #[cfg(kvtier_cuda)]
+        {
+            // SAFETY: the event is live.
+            let code = unsafe { ffi::kvtier_cuda_event_query(self.0) };
+            if code == 1 {
+                return Ok(false);
+            }
+            check(code, "cudaEventQuery").map(|()| true)
+        }
+        #[cfg(not(kvtier_cuda))]
+        not_compiled()
+    }
+
+    /// Block until the work before the event has completed.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(kvtier_cuda)]
+        // SAFETY: the event is live.
+        return check(unsafe { ffi::kvtier_cuda_event_synchronize(self.0) }, "cudaEventSynchronize");
+        #[cfg(not(kvtier_cuda))]
+        not_compiled()
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        #[cfg(kvtier_cuda)]
+        // SAFETY: the event was created by kvtier_cuda_event_create and is destroyed once.
+        unsafe {
+            ffi::kvtier_cuda_event_destroy(self.0);
+        }
+    }
 }

@@ -7,6 +7,8 @@ pub mod l3;
 pub mod pool;
 pub mod stats;
 pub mod cuda;
+pub mod copy;
+pub mod hostmem;
 
 #[cfg(feature = "python")]
 mod py;

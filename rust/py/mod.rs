@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use crate::error::Error;
 
+mod copy;
 mod index;
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of kvtier's own errors.");
@@ -123,6 +124,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CopyError", py.get_type::<CopyError>())?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     index::register(m)?;
+    copy::register(m)?;
     Ok(())
 }
 

@@ -1,0 +1,163 @@
+"""Page copies between an engine's GPU KV pool and a host pool: the torch front end of the Rust copy path.
+
+A GPU pool is either one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of uint8 tensors
+``[num_blocks, chunk_bytes]``, one per layer (layer-first; a page is one chunk of each). A state pool is a
+page-first pool of ``[num_states, state_bytes]``. The host page is contiguous, the layer chunks back to back.
+
+On a CUDA pool, ``to_host``/``to_gpu`` launch one kernel on the given stream (torch's current stream by default)
+and return at once; record a token in a :class:`CompletionQueue` after them and poll it from the engine loop. On a
+CPU pool they copy with a multi-threaded memcpy and are complete on return. Every argument is checked before
+anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device, alignment,
+id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message). ``KVTIER_DEBUG_SYNC=1`` makes every
+launch wait for its stream and report the kernel's own error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier._core import CompletionQueue, CopyError, HostPool
+from kvtier._core import PageCopier as _CorePageCopier
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CompletionQueue", "CopyError", "HostPool", "PageCopier", "host_array"]
+
+
+def host_array(pool: HostPool) -> np.ndarray:
+    """A ``[usable_slots, slot_bytes]`` uint8 view of the usable part of ``pool`` (no copy).
+
+    The view reads the pool's memory directly: it is valid while the pool is open and must not be used after
+    ``pool.close()``. ``torch.from_numpy(host_array(pool))`` gives a CPU tensor over the same bytes.
+    """
+    rows = pool.usable_slots
+    if rows == 0:
+        return np.empty((0, pool.slot_bytes), dtype=np.uint8)
+    buf = (ctypes.c_uint8 * (rows * pool.slot_bytes)).from_address(pool.base_ptr)
+    return np.ctypeslib.as_array(buf).reshape(rows, pool.slot_bytes)
+
+
+def _ids(ids: Any, what: str) -> Any:
+    """Ids as the core takes them: numpy int32 arrays and int sequences as they are, CPU torch tensors as numpy."""
+    if type(ids).__module__.startswith("torch"):
+        if ids.device.type != "cpu":
+            raise TypeError(f"{what} must be on the CPU (numpy or a CPU tensor), got a tensor on {ids.device}")
+        return ids.numpy()
+    return ids
+
+
+class PageCopier:
+    """Copies pages between a GPU pool (torch tensors) and a :class:`HostPool` whose slot_bytes is the page size.
+
+    ``blocks`` bounds the kernel's grid (default 8, see docs/PERFORMANCE.md) so copies leave the SMs to the model;
+    ``threads`` is the block size (default 512). The copier holds references to the pool tensors and the host pool,
+    so their memory lives as long as it does; the caller keeps it (or them) alive until its last copy completes.
+    """
+
+    def __init__(
+        self,
+        gpu_pool: torch.Tensor | Sequence[torch.Tensor],
+        host: HostPool,
+        *,
+        blocks: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        import torch
+
+        tensors = [gpu_pool] if isinstance(gpu_pool, torch.Tensor) else list(gpu_pool)
+        if not tensors:
+            raise ValueError("gpu_pool is an empty list of layer tensors")
+        for i, t in enumerate(tensors):
+            name = "gpu_pool" if len(tensors) == 1 and isinstance(gpu_pool, torch.Tensor) else f"gpu_pool[{i}]"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.uint8:
+                raise TypeError(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
+            if t.shape != tensors[0].shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
+            if t.device != tensors[0].device:
+                raise ValueError(f"all layer tensors must be on one device: {name} is on {t.device}, "
+                                 f"layer 0 on {tensors[0].device}")
+        if not isinstance(host, HostPool):
+            raise TypeError(f"host must be a kvtier HostPool, got {type(host).__name__}")
+        dev = tensors[0].device
+        self.device: torch.device = dev
+        self._cuda_index = None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
+        num_blocks, chunk_bytes = tensors[0].shape
+        # SAFETY (for the ints passed below): self._tensors and self._host keep the memory alive for the life of
+        # this object; the core copier itself only holds raw addresses and the host pool.
+        self._tensors = tensors
+        self._host = host
+        self._core = _CorePageCopier(
+            [t.data_ptr() for t in tensors],
+            [t.stride(0) for t in tensors],
+            num_blocks,
+            chunk_bytes,
+            self._cuda_index,
+            host,
+            blocks=blocks,
+            threads=threads,
+        )
+
+    @property
+    def host(self) -> HostPool:
+        return self._host
+
+    @property
+    def page_bytes(self) -> int:
+        return self._core.page_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return self._core.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self._core.num_blocks
+
+    @property
+    def blocks(self) -> int:
+        return self._core.blocks
+
+    @property
+    def threads(self) -> int:
+        return self._core.threads
+
+    def stream_handle(self, stream: Any = None) -> int:
+        """The raw cudaStream_t for ``stream``: None is torch's current stream of the pool's device (0 on CPU)."""
+        if self._cuda_index is None:
+            return 0
+        if stream is None:
+            import torch
+
+            return int(torch.cuda.current_stream(self._cuda_index).cuda_stream)
+        if isinstance(stream, int):
+            return stream
+        return int(stream.cuda_stream)
+
+    def to_host(self, gpu_ids: Any, host_slots: Any, stream: Any = None) -> None:
+        """Copy GPU blocks ``gpu_ids[i]`` into host slots ``host_slots[i]`` (int32 ids)."""
+        self._core.to_host(_ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream))
+
+    def to_gpu(self, host_slots: Any, gpu_ids: Any, stream: Any = None) -> None:
+        """Copy host slots ``host_slots[i]`` into GPU blocks ``gpu_ids[i]`` (int32 ids)."""
+        self._core.to_gpu(_ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream))
+
+    def completion_queue(self) -> CompletionQueue:
+        """A completion queue for this copier's device (a CPU queue for a CPU pool)."""
+        return CompletionQueue(self._cuda_index)
+
+    def __repr__(self) -> str:
+        return (f"PageCopier(device={self.device}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
+                f"page_bytes={self.page_bytes}, blocks={self.blocks}, threads={self.threads})")

@@ -1,0 +1,256 @@
+//! Python classes of the copy path: `HostPool`, `PageCopier` (raw pointers as ints; python/kvtier/copy.py builds
+//! it from torch tensors) and `CompletionQueue`.
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::{int32s, non_negative, to_py};
+use crate::copy::{self, CompletionQueue, GpuPool, PageCopier};
+use crate::cuda::Layer;
+use crate::hostmem::{self, HostPool};
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyHostPool>()?;
+    m.add_class::<PyPageCopier>()?;
+    m.add_class::<PyCompletionQueue>()?;
+    Ok(())
+}
+
+/// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned chunk by chunk.
+#[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
+pub struct PyHostPool {
+    inner: Arc<HostPool>,
+}
+
+#[pymethods]
+impl PyHostPool {
+    #[new]
+    #[pyo3(signature = (slots, slot_bytes, *, chunk_bytes = hostmem::DEFAULT_CHUNK_BYTES as i64, pin = None))]
+    fn new(slots: i64, slot_bytes: i64, chunk_bytes: i64, pin: Option<bool>) -> PyResult<Self> {
+        let pool = HostPool::new(
+            non_negative("slots", slots)?,
+            non_negative("slot_bytes", slot_bytes)?,
+            non_negative("chunk_bytes", chunk_bytes)?,
+            pin,
+        )
+        .map_err(to_py)?;
+        Ok(Self { inner: Arc::new(pool) })
+    }
+
+    #[getter]
+    fn slots(&self) -> u32 {
+        self.inner.slots()
+    }
+
+    #[getter]
+    fn slot_bytes(&self) -> u64 {
+        self.inner.slot_bytes()
+    }
+
+    #[getter]
+    fn chunk_bytes(&self) -> u64 {
+        self.inner.chunk_bytes()
+    }
+
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.inner.pinned()
+    }
+
+    #[getter]
+    fn base_ptr(&self) -> u64 {
+        self.inner.base_ptr()
+    }
+
+    #[getter]
+    fn usable_slots(&self) -> u32 {
+        self.inner.usable_slots()
+    }
+
+    #[getter]
+    fn backed_bytes(&self) -> u64 {
+        self.inner.backed_bytes()
+    }
+
+    /// Back and pin the next chunk (the GIL is released meanwhile); returns usable_slots after it.
+    fn grow_chunk(&self, py: Python<'_>) -> PyResult<u32> {
+        py.detach(|| self.inner.grow_chunk()).map_err(to_py)
+    }
+
+    /// Grow until at least `slots` slots are usable (or the pool is full); returns usable_slots.
+    fn grow_to(&self, py: Python<'_>, slots: i64) -> PyResult<u32> {
+        let slots = non_negative("slots", slots)?;
+        py.detach(|| self.inner.grow_to(slots)).map_err(to_py)
+    }
+
+    /// A copy of one usable slot's bytes.
+    fn read<'py>(&self, py: Python<'py>, slot: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.inner.read(non_negative("slot", slot)?).map_err(to_py)?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Overwrite the start of one usable slot with `data`.
+    fn write(&self, slot: i64, data: &[u8]) -> PyResult<()> {
+        self.inner.write(non_negative("slot", slot)?, data).map_err(to_py)
+    }
+
+    /// Unregister and unmap the memory; no copy may still be in flight. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.close()).map_err(to_py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HostPool(slots={}, slot_bytes={}, usable_slots={}, pinned={})",
+            self.inner.slots(),
+            self.inner.slot_bytes(),
+            self.inner.usable_slots(),
+            self.inner.pinned()
+        )
+    }
+}
+
+/// Copies pages between a GPU pool given as raw layer pointers and a `HostPool`. Use `kvtier.copy.PageCopier`,
+/// which takes torch tensors and keeps them alive.
+#[pyclass(name = "PageCopier", module = "kvtier._core", frozen)]
+pub struct PyPageCopier {
+    inner: PageCopier,
+}
+
+#[pymethods]
+impl PyPageCopier {
+    #[new]
+    #[pyo3(signature = (layer_ptrs, layer_strides, num_blocks, chunk_bytes, device, host, *, blocks = None, threads = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layer_ptrs: Vec<u64>,
+        layer_strides: Vec<i64>,
+        num_blocks: i64,
+        chunk_bytes: i64,
+        device: Option<i64>,
+        host: &Bound<'_, PyHostPool>,
+        blocks: Option<i64>,
+        threads: Option<i64>,
+    ) -> PyResult<Self> {
+        if layer_ptrs.len() != layer_strides.len() {
+            return Err(PyValueError::new_err(format!(
+                "layer_ptrs and layer_strides differ in length: {} and {}",
+                layer_ptrs.len(),
+                layer_strides.len()
+            )));
+        }
+        let layers = layer_ptrs
+            .iter()
+            .zip(&layer_strides)
+            .map(|(&base, &stride)| Ok(Layer { base, stride: non_negative("layer stride", stride)? }))
+            .collect::<PyResult<Vec<_>>>()?;
+        let pool = GpuPool {
+            layers,
+            num_blocks: non_negative("num_blocks", num_blocks)?,
+            chunk_bytes: non_negative("chunk_bytes", chunk_bytes)?,
+            device: device.map(|d| non_negative("device", d)).transpose()?,
+        };
+        let blocks = blocks.map_or(Ok(copy::DEFAULT_BLOCKS), |b| non_negative("blocks", b))?;
+        let threads = threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?;
+        let debug_sync = std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1");
+        // SAFETY: the pointers come from tensors that kvtier.copy.PageCopier holds for this object's whole life
+        // (and the caller keeps them until the last copy completes); the HostPool's memory is kept by the Arc.
+        let inner = unsafe { PageCopier::new(pool, Arc::clone(&host.get().inner), blocks, threads, debug_sync) }
+            .map_err(to_py)?;
+        Ok(Self { inner })
+    }
+
+    /// GPU blocks -> host slots; launched on `stream` (a raw cudaStream_t) without waiting, or copied before
+    /// returning on a CPU pool.
+    #[pyo3(signature = (gpu_ids, host_slots, stream = 0))]
+    fn to_host(&self, py: Python<'_>, gpu_ids: &Bound<'_, PyAny>, host_slots: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
+        let g = int32s(gpu_ids, "gpu_ids")?;
+        let h = int32s(host_slots, "host_slots")?;
+        let (g, h) = (g.as_slice(), h.as_slice());
+        py.detach(|| self.inner.to_host(g, h, stream)).map_err(to_py)
+    }
+
+    /// Host slots -> GPU blocks; see `to_host`.
+    #[pyo3(signature = (host_slots, gpu_ids, stream = 0))]
+    fn to_gpu(&self, py: Python<'_>, host_slots: &Bound<'_, PyAny>, gpu_ids: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
+        let h = int32s(host_slots, "host_slots")?;
+        let g = int32s(gpu_ids, "gpu_ids")?;
+        let (g, h) = (g.as_slice(), h.as_slice());
+        py.detach(|| self.inner.to_gpu(h, g, stream)).map_err(to_py)
+    }
+
+    #[getter]
+    fn blocks(&self) -> u32 {
+        self.inner.blocks()
+    }
+
+    #[getter]
+    fn threads(&self) -> u32 {
+        self.inner.threads()
+    }
+
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.inner.page_bytes()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.pool().layers.len()
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.inner.pool().num_blocks
+    }
+
+    #[getter]
+    fn device(&self) -> Option<i32> {
+        self.inner.pool().device
+    }
+}
+
+/// Tokens of launched copies, completed in record order; `poll` never blocks.
+#[pyclass(name = "CompletionQueue", module = "kvtier._core", frozen)]
+pub struct PyCompletionQueue {
+    inner: Mutex<CompletionQueue>,
+}
+
+impl PyCompletionQueue {
+    fn lock(&self) -> MutexGuard<'_, CompletionQueue> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl PyCompletionQueue {
+    #[new]
+    #[pyo3(signature = (device = None))]
+    fn new(device: Option<i64>) -> PyResult<Self> {
+        let device = device.map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range")))).transpose()?;
+        Ok(Self { inner: Mutex::new(CompletionQueue::new(device).map_err(to_py)?) })
+    }
+
+    /// Record `token` after the work launched so far on `stream` (a raw cudaStream_t; ignored for CPU queues).
+    #[pyo3(signature = (token, stream = 0))]
+    fn record(&self, token: i64, stream: u64) -> PyResult<()> {
+        let token = non_negative("token", token)?;
+        self.lock().record(token, stream).map_err(to_py)
+    }
+
+    /// Tokens completed since the last poll, in record order, up to the first still running.
+    fn poll(&self) -> PyResult<Vec<u64>> {
+        self.lock().poll().map_err(to_py)
+    }
+
+    fn pending(&self) -> usize {
+        self.lock().pending()
+    }
+
+    /// Block (GIL released) until all recorded work has completed; returns the tokens not yet polled.
+    fn wait_all(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        py.detach(|| self.lock().wait_all()).map_err(to_py)
+    }
+}

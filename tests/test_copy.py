@@ -1,0 +1,209 @@
+"""Page copies with a CPU "GPU" pool (the memcpy path): exact bytes, poisoned destinations, both layouts and
+directions, states, host pool growth, and every bad argument rejected before anything is copied."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array  # noqa: E402
+
+POISON = 0xA5
+
+
+def make_pool(layers: int, chunk: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (num_blocks, chunk), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+
+
+def make_host(slots: int, slot_bytes: int) -> HostPool:
+    host = HostPool(slots, slot_bytes, chunk_bytes=1 << 16, pin=False)
+    host.grow_to(slots)
+    return host
+
+
+def page(pool: list[torch.Tensor], block: int) -> np.ndarray:
+    return torch.cat([t[block] for t in pool]).numpy()
+
+
+@pytest.mark.parametrize("layers,chunk", [(1, 16), (1, 4096), (1, 1 << 20), (61, 272), (5, 2048)])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_batches_exact_and_poison_kept(layers: int, chunk: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    num_blocks, slots = 40, 30
+    pool = make_pool(layers, chunk, num_blocks, seed)
+    host = make_host(slots, layers * chunk)
+    copier = PageCopier(pool[0] if layers == 1 else pool, host)
+    hv = host_array(host)
+    hv[:] = POISON
+    before = [t.clone() for t in pool]
+    n = int(rng.integers(1, 25))
+    gids = rng.choice(num_blocks, n, replace=False).astype(np.int32)
+    hslots = rng.choice(slots, n, replace=False).astype(np.int32)
+    copier.to_host(gids, hslots)
+    for g, s in zip(gids, hslots):
+        assert np.array_equal(hv[s], page(before, int(g)))
+    untouched = np.setdiff1d(np.arange(slots), hslots)
+    assert (hv[untouched] == POISON).all()
+    assert all(torch.equal(a, b) for a, b in zip(pool, before))  # the source is only read
+
+    hv[:] = rng.integers(0, 256, hv.shape, dtype=np.uint8)
+    for t in pool:
+        t.fill_(POISON)
+    dst = rng.choice(num_blocks, n, replace=False).astype(np.int32)
+    src = rng.integers(0, slots, n).astype(np.int32)  # a host slot may be read twice
+    copier.to_gpu(src, dst)
+    for s, g in zip(src, dst):
+        assert np.array_equal(page(pool, int(g)), hv[s])
+    rest = np.setdiff1d(np.arange(num_blocks), dst)
+    assert all(bool((t[torch.from_numpy(rest)] == POISON).all()) for t in pool)
+
+
+def test_large_batch_spreads_over_threads() -> None:
+    pool = make_pool(1, 64 << 10, 600, seed=1)
+    host = make_host(512, 64 << 10)
+    copier = PageCopier(pool[0], host)
+    ids = np.random.default_rng(1).permutation(600)[:512].astype(np.int32)
+    copier.to_host(ids, np.arange(512, dtype=np.int32))
+    assert np.array_equal(host_array(host), pool[0].numpy()[ids])
+
+
+def test_states_are_page_first_slots() -> None:
+    state_bytes = 3 * 4096 + 48
+    states = make_pool(1, state_bytes, 6, seed=2)[0]
+    host = make_host(4, state_bytes)
+    copier = PageCopier(states, host)
+    copier.to_host([5, 2], [0, 3])
+    assert host.read(3) == states[2].numpy().tobytes()
+    staged = states.clone()
+    states.fill_(POISON)
+    copier.to_gpu(np.array([3, 0], np.int32), torch.tensor([1, 4], dtype=torch.int32))
+    assert torch.equal(states[1], staged[2]) and torch.equal(states[4], staged[5])
+    assert bool((states[[0, 2, 3, 5]] == POISON).all())
+
+
+def test_host_pool_grows_in_chunks() -> None:
+    host = HostPool(100, 1000 * 16, chunk_bytes=64 << 10, pin=False)
+    assert (host.slots, host.slot_bytes, host.usable_slots, host.pinned) == (100, 16000, 0, False)
+    assert host.base_ptr % 4096 == 0
+    first = host.grow_chunk()
+    assert first == host.usable_slots == (64 << 10) // 16000
+    host.write(first - 1, b"\x07" * 16)
+    assert host.read(first - 1)[:17] == b"\x07" * 16 + b"\x00"
+    with pytest.raises(ValueError, match=f"slot {first} is not below usable_slots = {first}"):
+        host.read(first)
+    assert host.grow_to(100) == 100
+    assert host.grow_chunk() == 100
+    assert host.backed_bytes >= 100 * 16000
+    assert host_array(host).shape == (100, 16000)
+    host.close()
+    host.close()
+    with pytest.raises(ValueError, match="closed"):
+        host.grow_chunk()
+
+
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((0, 16), ValueError, "slots must be > 0"),
+        ((4, 24), ValueError, "slot_bytes must be a positive multiple of 16, got 24"),
+        ((4, -16), ValueError, "slot_bytes must be >= 0"),
+    ],
+)
+def test_host_pool_rejects_bad_sizes(args: tuple[int, int], exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        HostPool(*args, pin=False)
+
+
+def test_pin_needs_a_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        HostPool(4, 16, pin=True)
+    assert HostPool(4, 16).pinned is False
+
+
+@pytest.fixture
+def setup():  # type: ignore[no-untyped-def]
+    pool = make_pool(3, 64, 10, seed=4)
+    host = make_host(8, 3 * 64)
+    hv = host_array(host)
+    hv[:] = POISON
+    return pool, host, PageCopier(pool, host)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda c: c.to_host([0, 1], [0]), ValueError, "differ in length: 2 and 1"),
+        (lambda c: c.to_host([10], [0]), ValueError, r"gpu_ids\[0\] = 10 is outside the GPU pool of 10 blocks"),
+        (lambda c: c.to_host([1, -1], [0, 1]), ValueError, r"gpu_ids\[1\] = -1"),
+        (lambda c: c.to_host([1], [8]), ValueError, r"host_slots\[0\] = 8 is not below usable_slots = 8"),
+        (lambda c: c.to_host([1, 2, 3], [4, 5, 4]), ValueError, "host_slots names destination 4 twice"),
+        (lambda c: c.to_gpu([1, 2], [3, 3]), ValueError, "gpu_ids names destination 3 twice"),
+        (lambda c: c.to_host(np.array([1], np.int64), [0]), TypeError, "int32"),
+        (lambda c: c.to_host([2**31], [0]), ValueError, "does not fit in int32"),
+        (lambda c: c.to_host("ab", [0]), TypeError, "int32 ids"),
+        (lambda c: c.to_host(np.array([[1]], np.int32), [0]), TypeError, "1-D"),
+    ],
+)
+def test_bad_ids_rejected_before_any_copy(setup, call, exc, match) -> None:  # type: ignore[no-untyped-def]
+    pool, host, copier = setup
+    before = [t.clone() for t in pool]
+    with pytest.raises(exc, match=match):
+        call(copier)
+    assert (host_array(host) == POISON).all()
+    assert all(torch.equal(a, b) for a, b in zip(pool, before))
+
+
+def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, host, copier = setup
+    copier.to_host([2, 2], [0, 1])
+    assert host.read(0) == host.read(1) == page(pool, 2).tobytes()
+
+
+@pytest.mark.parametrize(
+    "build,exc,match",
+    [
+        (lambda: (torch.zeros(4, 64, dtype=torch.float16), 128), TypeError, "dtype torch.uint8"),
+        (lambda: (torch.zeros(4, 64, 2, dtype=torch.uint8), 128), ValueError, "2-D"),
+        (lambda: (torch.zeros(64, 8, dtype=torch.uint8).t(), 64), ValueError, "contiguous"),
+        (lambda: ([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(5, 64, dtype=torch.uint8)], 128), ValueError,
+         r"gpu_pool\[1\] has shape \(5, 64\)"),
+        (lambda: (torch.zeros(4, 40, dtype=torch.uint8), 48), ValueError, "multiple of 16, got 40"),
+        (lambda: (torch.zeros(4 * 64 + 1, dtype=torch.uint8)[1:].view(4, 64), 64), ValueError, "not 16-byte aligned"),
+        (lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128), ValueError, "slot_bytes = 128 differs from the page size 64"),
+        (lambda: ([], 64), ValueError, "empty list"),
+        (lambda: ([np.zeros((4, 64), np.uint8)], 64), TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_pools_rejected(build, exc, match) -> None:  # type: ignore[no-untyped-def]
+    pool, slot_bytes = build()
+    host = make_host(2, slot_bytes)
+    with pytest.raises(exc, match=match):
+        PageCopier(pool, host)
+
+
+def test_bad_grid_rejected() -> None:
+    pool = make_pool(1, 64, 4, seed=0)[0]
+    host = make_host(2, 64)
+    with pytest.raises(ValueError, match="threads must be a multiple of 32"):
+        PageCopier(pool, host, threads=100)
+    with pytest.raises(ValueError, match="blocks must be 1 to 65535, got 0"):
+        PageCopier(pool, host, blocks=0)
+
+
+def test_cpu_completion_queue_completes_at_once() -> None:
+    pool = make_pool(1, 64, 4, seed=0)[0]
+    copier = PageCopier(pool, make_host(2, 64))
+    q = copier.completion_queue()
+    assert isinstance(q, CompletionQueue)
+    for token in (7, 3, 9):
+        q.record(token)
+    assert q.pending() == 3
+    assert q.poll() == [7, 3, 9]
+    assert q.pending() == 0 and q.poll() == [] and q.wait_all() == []
+    with pytest.raises(ValueError, match="token must be >= 0"):
+        q.record(-1)
