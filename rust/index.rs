@@ -78,6 +78,19 @@ pub struct StorePlan {
 enum TicketKind {
     Load { hit_tokens: usize },
     Store,
+    /// Ready entries held while an L3 put reads them.
+    Hold,
+    /// Fresh entries being filled from L3.
+    Fetch,
+}
+
+/// Entries pinned for an L3 put (`hold`) or reserved for an L3 get (`plan_fetch`): one slot per key given, None
+/// where the key was skipped (not ready on the host for a hold; already present for a fetch).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlotPlan {
+    pub ticket: u64,
+    pub page_slots: Vec<Option<u32>>,
+    pub state_slots: Vec<Option<u32>>,
 }
 
 /// Entries a ticket pins. `new_*` were reserved by a store (not ready until completion); the rest were ready and
@@ -324,6 +337,54 @@ impl Index {
         })
     }
 
+    /// Pins the ready entries of these keys (an L3 put reads them) until the ticket completes.
+    pub fn hold(&mut self, page_keys: &[Key], state_keys: &[Key]) -> Result<SlotPlan> {
+        fn pin_ready(pool: &mut Pool, keys: &[Key], held: &mut Vec<(u32, bool)>) -> Result<Vec<Option<u32>>> {
+            keys.iter()
+                .map(|&k| match pool.ready_slot(k) {
+                    Some(s) => pool.pin(s).map(|()| {
+                        held.push((s, false));
+                        Some(s)
+                    }),
+                    None => Ok(None),
+                })
+                .collect()
+        }
+        let (mut pages, mut states) = (Vec::new(), Vec::new());
+        let page_slots = pin_ready(&mut self.pages, page_keys, &mut pages)?;
+        let state_slots = pin_ready(&mut self.states, state_keys, &mut states)?;
+        let ticket = self.issue(Ticket { kind: TicketKind::Hold, pages, states });
+        Ok(SlotPlan { ticket, page_slots, state_slots })
+    }
+
+    /// Reserves fresh slots for pages and states fetched from L3 (keys already on the host are skipped): all of
+    /// them or, when the pools cannot make room, none (None is returned and nothing is evicted). Complete the
+    /// ticket once the bytes are in, abort it if the get failed.
+    pub fn plan_fetch(&mut self, page_keys: &[Key], state_keys: &[Key]) -> Result<Option<SlotPlan>> {
+        let missing = |pool: &Pool, keys: &[Key]| -> Vec<Key> {
+            let mut seen = crate::pool::KeyMap::default();
+            keys.iter().copied().filter(|k| pool.slot_of(*k).is_none() && seen.insert(*k, ()).is_none()).collect()
+        };
+        let new_pages = missing(&self.pages, page_keys);
+        let new_states = missing(&self.states, state_keys);
+        if new_pages.len() > self.pages.available() || new_states.len() > self.states.available() {
+            return Ok(None);
+        }
+        let (page_new_slots, _) = self.pages.reserve(&new_pages).expect("checked available()");
+        let (state_new_slots, _) = self.states.reserve(&new_states).expect("checked available()");
+        let pick = |pool: &Pool, keys: &[Key], fresh: &[Key]| -> Vec<Option<u32>> {
+            keys.iter().map(|k| if fresh.contains(k) { pool.slot_of(*k) } else { None }).collect()
+        };
+        let page_slots = pick(&self.pages, page_keys, &new_pages);
+        let state_slots = pick(&self.states, state_keys, &new_states);
+        let ticket = self.issue(Ticket {
+            kind: TicketKind::Fetch,
+            pages: page_new_slots.iter().map(|&s| (s, true)).collect(),
+            states: state_new_slots.iter().map(|&s| (s, true)).collect(),
+        });
+        Ok(Some(SlotPlan { ticket, page_slots, state_slots }))
+    }
+
     fn issue(&mut self, ticket: Ticket) -> u64 {
         let id = self.next_ticket;
         self.next_ticket += 1;
@@ -335,17 +396,18 @@ impl Index {
     /// deepest page first, so that a prompt's first pages are the most recently used.
     pub fn complete(&mut self, ticket: u64) -> Result<()> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        let stored = matches!(t.kind, TicketKind::Store);
         for &(s, new) in t.pages.iter().rev() {
             if new {
                 self.pages.mark_ready(s)?;
-                self.stats.pages_stored += 1;
+                self.stats.pages_stored += u64::from(stored);
             }
             self.pages.unpin(s)?;
         }
         for &(s, new) in &t.states {
             if new {
                 self.states.mark_ready(s)?;
-                self.stats.states_stored += 1;
+                self.stats.states_stored += u64::from(stored);
             }
             self.states.unpin(s)?;
         }
@@ -356,7 +418,8 @@ impl Index {
         Ok(())
     }
 
-    /// The copies of a ticket failed: stored entries are discarded (their slots freed), held ones released.
+    /// The copies of a ticket failed: stored or fetched entries are discarded (their slots freed), held ones
+    /// released.
     pub fn abort(&mut self, ticket: u64) -> Result<()> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
         for &(s, new) in &t.pages {
@@ -373,11 +436,16 @@ impl Index {
                 self.states.unpin(s)?;
             }
         }
-        if let TicketKind::Load { hit_tokens } = t.kind {
-            self.stats.hits -= 1;
-            self.stats.hit_tokens -= hit_tokens as u64;
+        match t.kind {
+            TicketKind::Load { hit_tokens } => {
+                self.stats.hits -= 1;
+                self.stats.hit_tokens -= hit_tokens as u64;
+                self.stats.errors += 1;
+            }
+            TicketKind::Store => self.stats.errors += 1,
+            // L3 failures are the L3 tier's to count.
+            TicketKind::Hold | TicketKind::Fetch => {}
         }
-        self.stats.errors += 1;
         Ok(())
     }
 
@@ -410,5 +478,62 @@ impl Index {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(pages: u32, states: u32) -> Index {
+        let cfg = Config {
+            page_slots: pages,
+            state_slots: states,
+            block_size: 4,
+            keep_tokens: 1,
+            min_hit_tokens: 0,
+            state_lookback_blocks: 4,
+            ring_slack: 100,
+            hash_kind: HashKind::Blake3,
+            hash_key: Vec::new(),
+        };
+        Index::new(cfg, pages, states).unwrap()
+    }
+
+    #[test]
+    fn hold_pins_only_ready_entries_until_complete() {
+        let mut ix = index(8, 2);
+        let t: Vec<i32> = (0..16).collect();
+        let plan = ix.plan_store("a", b"", &t, 16).unwrap();
+        let keys = ix.keys("a").unwrap().to_vec();
+        let early = ix.hold(&keys, &[]).unwrap();
+        assert!(early.page_slots.iter().all(Option::is_none), "not ready yet");
+        ix.complete(plan.ticket).unwrap();
+        let h = ix.hold(&keys[..2], &[keys[3]]).unwrap();
+        assert!(h.page_slots.iter().all(Option::is_some) && h.state_slots[0].is_some());
+        assert_eq!(ix.pages().evictable(), 2);
+        ix.check().unwrap();
+        ix.complete(h.ticket).unwrap();
+        ix.complete(early.ticket).unwrap();
+        assert_eq!(ix.pages().evictable(), 4);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn fetch_reserves_all_or_nothing_and_aborts_cleanly() {
+        let mut ix = index(4, 1);
+        let f = ix.plan_fetch(&[1, 2, 2, 3], &[3]).unwrap().unwrap();
+        assert_eq!(f.page_slots[1], f.page_slots[2], "a duplicate key gets the same slot");
+        assert_eq!(ix.pages().used(), 3, "duplicates reserved once");
+        assert!(ix.lookup("x", b"", &[0; 8]).unwrap().hit_tokens == 0);
+        assert!(ix.plan_fetch(&[7, 8], &[]).unwrap().is_none(), "one free slot for two pages");
+        ix.abort(f.ticket).unwrap();
+        assert_eq!(ix.pages().used(), 0);
+        assert_eq!(ix.stats().errors, 0);
+        let f = ix.plan_fetch(&[5], &[5]).unwrap().unwrap();
+        ix.complete(f.ticket).unwrap();
+        assert!(ix.pages().ready_slot(5).is_some() && ix.states().ready_slot(5).is_some());
+        assert_eq!(ix.stats().pages_stored, 0, "fetches are counted by the L3 tier");
+        ix.check().unwrap();
     }
 }

@@ -23,6 +23,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+type SlotTriple = (u64, Vec<Option<u32>>, Vec<Option<u32>>);
+
 /// The index of one cache: chains, host page and state pools, planning, statistics. Thread-safe; calls that
 /// hash release the GIL.
 #[pyclass(name = "Index", module = "kvtier._core", frozen)]
@@ -262,6 +264,21 @@ impl PyIndex {
     /// The copies of a ticket failed: stored entries are discarded, held ones released.
     fn abort(&self, ticket: u64) -> PyResult<()> {
         self.lock().abort(ticket).map_err(to_py)
+    }
+
+    /// Pins the ready entries of these keys while an L3 put reads them: `(ticket, page_slots, state_slots)`,
+    /// None for a key not ready on the host. `complete(ticket)` releases them.
+    fn hold(&self, py: Python<'_>, page_keys: Vec<u128>, state_keys: Vec<u128>) -> PyResult<SlotTriple> {
+        let p = py.detach(|| self.lock().hold(&page_keys, &state_keys)).map_err(to_py)?;
+        Ok((p.ticket, p.page_slots, p.state_slots))
+    }
+
+    /// Reserves fresh slots for pages and states fetched from L3 (keys already on the host get None), all or
+    /// none: `(ticket, page_slots, state_slots)`, or None when the pools cannot make room. Complete the ticket
+    /// once the bytes are in; abort it if the get failed.
+    fn plan_fetch(&self, py: Python<'_>, page_keys: Vec<u128>, state_keys: Vec<u128>) -> PyResult<Option<SlotTriple>> {
+        let p = py.detach(|| self.lock().plan_fetch(&page_keys, &state_keys)).map_err(to_py)?;
+        Ok(p.map(|p| (p.ticket, p.page_slots, p.state_slots)))
     }
 
     /// Drops a request's chain; returns whether the request was known.
