@@ -537,3 +537,111 @@ mod tests {
         ix.check().unwrap();
     }
 }
+
+/// Random operation sequences over the whole index: no panic, every invariant after every step. The case count
+/// scales with `PROPTEST_CASES` (CI runs more).
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Lookup { rid: u8, prompt: (u8, u8), load: bool },
+        Store { rid: u8, prompt: (u8, u8), extra: u8 },
+        Finish { pick: u8, ok: bool },
+        Hold { prompt: (u8, u8) },
+        Fetch { keys: Vec<u8> },
+        Forget { rid: u8 },
+        Grow { pages: u8 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let prompt = (0u8..3, 0u8..60);
+        prop_oneof![
+            (0u8..6, prompt.clone(), any::<bool>()).prop_map(|(rid, prompt, load)| Op::Lookup { rid, prompt, load }),
+            (0u8..6, prompt.clone(), 0u8..12).prop_map(|(rid, prompt, extra)| Op::Store { rid, prompt, extra }),
+            (any::<u8>(), any::<bool>()).prop_map(|(pick, ok)| Op::Finish { pick, ok }),
+            prompt.prop_map(|prompt| Op::Hold { prompt }),
+            prop::collection::vec(any::<u8>(), 0..6).prop_map(|keys| Op::Fetch { keys }),
+            (0u8..6).prop_map(|rid| Op::Forget { rid }),
+            (0u8..32).prop_map(|pages| Op::Grow { pages }),
+        ]
+    }
+
+    fn tokens(base: u8, len: u8) -> Vec<i32> {
+        (0..i32::from(len)).map(|i| (i * 31 + i32::from(base) * 7) % 97 + i32::from(base) * 1000 * i32::from(i > 20)).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn any_operation_sequence_keeps_the_index_consistent(
+            ops in prop::collection::vec(op(), 1..120),
+            pages in 1u32..24,
+            states in 0u32..6,
+            keep in 1usize..6,
+            slack in 0usize..24,
+            kind in prop_oneof![Just(HashKind::Blake3), Just(HashKind::Xxh3)],
+        ) {
+            let cfg = Config {
+                page_slots: pages, state_slots: states, block_size: 4, keep_tokens: keep, min_hit_tokens: 4,
+                state_lookback_blocks: 3, ring_slack: slack, hash_kind: kind, hash_key: b"k".to_vec(),
+            };
+            let mut ix = Index::new(cfg, pages / 2, states).unwrap();
+            let mut tickets: Vec<u64> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Lookup { rid, prompt, load } => {
+                        let rid = format!("r{rid}");
+                        let t = tokens(prompt.0, prompt.1);
+                        let l = ix.lookup(&rid, b"", &t).unwrap();
+                        prop_assert!(l.hit_tokens <= l.limit_pages * 4 && l.hit_tokens % 4 == 0);
+                        if l.hit_tokens > 0 {
+                            if load {
+                                let p = ix.begin_load(&rid, l.hit_tokens).unwrap();
+                                prop_assert_eq!(p.page_slots.len(), l.hit_tokens / 4);
+                                tickets.push(p.ticket);
+                            } else {
+                                ix.defer(&rid).unwrap();
+                            }
+                        }
+                    }
+                    Op::Store { rid, prompt, extra } => {
+                        let t = tokens(prompt.0, prompt.1);
+                        let p = ix.plan_store(&format!("r{rid}"), b"", &t, t.len() + usize::from(extra)).unwrap();
+                        tickets.push(p.ticket);
+                    }
+                    Op::Finish { pick, ok } if !tickets.is_empty() => {
+                        let t = tickets.swap_remove(usize::from(pick) % tickets.len());
+                        if ok { ix.complete(t).unwrap() } else { ix.abort(t).unwrap() }
+                        prop_assert!(ix.complete(t).is_err(), "a ticket finishes once");
+                    }
+                    Op::Hold { prompt } => {
+                        let mut c = Chain::default();
+                        c.extend(ix.hasher(), 4, b"", &tokens(prompt.0, prompt.1));
+                        let keys = c.keys().to_vec();
+                        tickets.push(ix.hold(&keys, &keys).unwrap().ticket);
+                    }
+                    Op::Fetch { keys } => {
+                        let keys: Vec<Key> = keys.into_iter().map(|k| Key::from(k) << 64 | 1).collect();
+                        if let Some(p) = ix.plan_fetch(&keys, &keys[..keys.len().min(1)]).unwrap() {
+                            tickets.push(p.ticket);
+                        }
+                    }
+                    Op::Forget { rid } => {
+                        ix.forget(&format!("r{rid}"));
+                    }
+                    Op::Grow { pages } => ix.grow(u32::from(pages), states),
+                    Op::Finish { .. } => {}
+                }
+                ix.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            for t in tickets {
+                ix.complete(t).unwrap();
+            }
+            ix.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(ix.pages().evictable(), ix.pages().used());
+        }
+    }
+}
