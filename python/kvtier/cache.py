@@ -57,7 +57,7 @@ def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
         def call(self: HostPrefixCache, *args: Any, **kwargs: Any) -> T:
-            if self.disabled:
+            if self.disabled or self.closed:
                 return default
             try:
                 return fn(self, *args, **kwargs)
@@ -133,6 +133,7 @@ class HostPrefixCache:
             usable_state_slots=0,
         )
         self.disabled = False
+        self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
         self.errors = 0
         self._lock = threading.Lock()
         # The host pools are address space only until they grow (at the first store, or now with preallocate);
@@ -188,7 +189,7 @@ class HostPrefixCache:
 
     def lookup(self, request_id: str, prompt_ids: Any, *, namespace: str | bytes | None = None) -> int:
         """Tokens a resume of this prompt would restore now (0: miss). Touches nothing."""
-        if self.disabled:
+        if self.disabled or self.closed:
             return 0
         return self.index.lookup(request_id, token_array(prompt_ids), namespace=namespace).hit_tokens
 
@@ -312,6 +313,9 @@ class HostPrefixCache:
 
     def close(self) -> None:
         """Waits for copies in flight, stops pinning and releases the host pools."""
+        if self.closed:
+            return
+        self.closed = True
         self._closing.set()
         if self._grower is not None:
             self._grower.join()
