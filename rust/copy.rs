@@ -300,8 +300,11 @@ impl CompletionQueue {
 
     /// Block until everything recorded has completed; returns the tokens not yet returned by `poll`.
     pub fn wait_all(&mut self) -> Result<Vec<u64>> {
-        if let Some((_, Some(ev))) = self.pending.back() {
-            ev.wait()?;
+        // Every event, not just the last: tokens may have been recorded on different streams.
+        for (_, ev) in &self.pending {
+            if let Some(ev) = ev {
+                ev.wait()?;
+            }
         }
         self.poll()
     }
