@@ -257,7 +257,15 @@ class HostPrefixCache:
         (``seq_len``: the sequence's length now)."""
         tokens = token_array(prompt_ids)
         table = np.asarray(block_table, dtype=np.int32)
+        self._check_blocks(table[: len(tokens) // self.block_size])
         self._store(request_id, tokens, table, seq_len, state, namespace)
+
+    def _check_blocks(self, table: np.ndarray) -> None:
+        """GPU block ids must be inside the pool: checked before anything is planned or copied."""
+        num_blocks = self._copy_pages.num_blocks
+        bad = table[(table < 0) | (table >= num_blocks)] if table.ndim == 1 else table
+        if table.ndim == 1 and bad.size:
+            raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]
