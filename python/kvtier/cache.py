@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -64,7 +64,7 @@ def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
             except (ValueError, TypeError, KeyError):
                 raise
             except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
-                self._error(fn.__name__, e)
+                self._error(fn.__name__.lstrip("_"), e)
                 return default
 
         return call
@@ -81,6 +81,8 @@ class HostPrefixCache:
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
     ``state=`` (its sequence object). Settings: see ``CacheSettings`` (arguments or ``KVTIER_*`` variables).
+    ``fingerprint_fields`` name what else decides the bytes of a page (model config hash, dtype...): they go
+    into the L3 keys' fingerprint, so caches of different models never read each other's objects.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class HostPrefixCache:
         select_state: StateFn | None = None,
         load_state: StateFn | None = None,
         env: dict[str, str] | None = None,
+        fingerprint_fields: Mapping[str, str] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = s = CacheSettings.resolve(env, **settings)
@@ -150,6 +153,18 @@ class HostPrefixCache:
         self._completions = self._copy_pages.completion_queue()
         self._grower: threading.Thread | None = None
         self._closing = threading.Event()
+        # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
+        self._l3: Any = None
+        if s.l3 == "mooncake":
+            from kvtier.l3.tier import L3Tier
+
+            layout = "page-first" if isinstance(pages, torch.Tensor) else f"layer-first/{len(layers)}"
+            fields = {"page_bytes": str(self.page_bytes), "state_bytes": str(self.state_bytes),
+                      "block_size": str(block_size), "layout": layout, "hash_kind": self.index.hash_kind,
+                      "key_id": self.index.key_id}  # fmt: skip
+            fields.update({f"engine.{k}": str(v) for k, v in (fingerprint_fields or {}).items()})
+            self._l3 = L3Tier(s, index=self.index, page_pool=self._host_pages, state_pool=self._host_states,
+                              block_size=block_size, fingerprint_fields=fields)  # fmt: skip
         if s.preallocate:
             self._grow_all()
 
@@ -215,7 +230,15 @@ class HostPrefixCache:
 
     @_guarded(0)
     def _resume(self, request_id, tokens, allocate, block_table, state, namespace) -> int:  # type: ignore[no-untyped-def]
-        hit = self.index.lookup(request_id, tokens, namespace=namespace).hit_tokens
+        # L3: a request whose fetch runs retries later; a host miss starts the request's one fetch (no GPU blocks).
+        if self._l3 is not None and self._l3.waiting(request_id):
+            return -1
+        look = self.index.lookup(request_id, tokens, namespace=namespace)
+        if self._l3 is not None and look.ready_pages < look.limit_pages:
+            if self._l3.start_fetch(request_id, lambda: self.index.keys(request_id), look.ready_pages,
+                                    look.limit_pages):  # fmt: skip
+                return -1
+        hit = look.hit_tokens
         if hit == 0:
             return 0
         try:
@@ -274,6 +297,8 @@ class HostPrefixCache:
         if len(plan.page_slots) == 0 and len(plan.state_slots) == 0:
             self.index.complete(plan.ticket)  # nothing to copy: present entries were only touched
             return
+        if self._l3 is not None:  # L3: put what this ticket stores once its copies complete
+            self._l3.note_store(plan.ticket, self.index.keys(request_id), plan.state_boundaries)
         try:
             stream = self._stream()
             if len(plan.page_slots):
@@ -292,6 +317,8 @@ class HostPrefixCache:
             self._completions.record(plan.ticket, stream)
         except BaseException:
             self.index.abort(plan.ticket)
+            if self._l3 is not None:
+                self._l3.dropped(plan.ticket)
             raise
 
     @_guarded(None)
@@ -299,10 +326,14 @@ class HostPrefixCache:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
         for ticket in self._completions.poll():
             self.index.complete(ticket)
+            if self._l3 is not None:
+                self._l3.completed(ticket)
 
     def forget(self, request_id: str) -> None:
         """The request is gone: drop its cached chain."""
         self.index.forget(request_id)
+        if self._l3 is not None:
+            self._l3.forget(request_id)
 
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
@@ -317,6 +348,8 @@ class HostPrefixCache:
             self._host_states
         ) * self.state_bytes
         out["copies_in_flight"] = self._completions.pending()
+        if self._l3 is not None:
+            out.update(self._l3.stats())
         return out
 
     def close(self) -> None:
@@ -329,6 +362,10 @@ class HostPrefixCache:
             self._grower.join()
         for ticket in self._completions.wait_all():
             self.index.complete(ticket)
+        if self._l3 is not None and not self._l3.close():
+            # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
+            log.warning("kvtier: the L3 store did not stop in time; the host pools are not freed")
+            return
         for pool in (self._host_pages, self._host_states):
             if pool is not None:
                 pool.close()

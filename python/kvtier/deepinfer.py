@@ -34,6 +34,9 @@ class Cache:
         pages = engine.gpu_blocks if getattr(engine, "gpu_blocks", None) is not None else engine.gpu_layers
         has_state = getattr(engine, "gpu_states", None) is not None and getattr(engine, "state_bytes", 0) > 0
         settings.setdefault("ring_slack", getattr(engine, "ring_slack", None))
+        # The engine's hash of what decides its page bytes goes into the L3 keys (when it has one).
+        model_fp = getattr(engine, "fingerprint", None)
+        settings.setdefault("fingerprint_fields", {"model": str(model_fp)} if model_fp is not None else None)
         self.cache = HostPrefixCache(
             pages,
             block_size=engine.cache_config.block_size,
