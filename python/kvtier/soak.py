@@ -1,0 +1,170 @@
+"""`kvtier soak`: a randomized fault and load driver over the reference engine, bounded in time.
+
+Each round draws an engine (layout, layer pattern, a GPU pool small enough to run out) and a tiny host cache
+(constant eviction), runs a random multi-turn workload with the cache off and then on, and injects faults while
+the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight. Every
+generated token must equal cache off; the index's invariants are checked at every engine step; when the round
+ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier.deepinfer import Cache
+from kvtier.engine import Engine, EngineConfig
+from kvtier.workload import Conversations
+
+
+class Fault(RuntimeError):
+    """An injected failure."""
+
+
+@dataclass
+class Summary:
+    rounds: int = 0
+    requests: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    deferred: int = 0
+    evicted: int = 0
+    faults: int = 0
+    forgets: int = 0
+    steps_checked: int = 0
+    mismatches: int = 0
+    rss_growth_mib: float = 0.0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return "soak: " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
+
+
+def rss_mib() -> float:
+    """Resident memory now (Linux), in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
+
+
+def flaky(fn: Any, rng: random.Random, p: float, summary: Summary) -> Any:
+    """``fn`` that raises an injected fault with probability ``p``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if rng.random() < p:
+            summary.faults += 1
+            raise Fault("injected")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary) -> None:
+    pattern = rng.choice(["FS", "F", "SF"])
+    cfg = EngineConfig.preset(
+        "tiny",
+        device=device,
+        layout=rng.choice(["page-first", "layer-first"]),
+        layer_pattern=pattern,
+        num_gpu_blocks=rng.randint(24, 64),
+        num_state_slots=rng.randint(2, 6),
+        max_batch=rng.randint(2, 6),
+        chunk_size=rng.choice([16, 32, 64]),
+        ring_slack=rng.choice([16, 48, 64]),
+        seed=rng.randrange(1 << 16),
+    )
+    work = Conversations(
+        conversations=rng.randint(2, 6),
+        turns=rng.randint(2, 4),
+        system_tokens=rng.randint(16, 96),
+        user_tokens=rng.randint(4, 40),
+        answer_tokens=rng.randint(1, 6),
+        seed=rng.randrange(1 << 16),
+    )
+    expected = work.run(Engine(cfg))
+
+    engine = Engine(cfg)
+    has_state = engine.gpu_states is not None
+    cache = Cache(
+        engine,
+        size_bytes=rng.randint(4, 24) * engine.page_bytes,
+        num_state_slots=rng.randint(1, 6) if has_state else None,
+        preallocate=rng.random() < 0.5,
+        pin_chunk_bytes=4 * engine.page_bytes,
+        max_errors=1 << 30,
+    )
+    engine.cache = cache
+    inner = cache.cache
+    inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)
+    inner._copy_pages.to_host = flaky(inner._copy_pages.to_host, rng, fault_p, summary)
+    if has_state:
+        inner._select_state = flaky(inner._select_state, rng, fault_p, summary)
+        inner._load_state = flaky(inner._load_state, rng, fault_p, summary)
+
+    poll = cache.poll
+
+    def checked_poll() -> None:
+        poll()
+        inner.index.check()
+        summary.steps_checked += 1
+        if engine.running and rng.random() < 0.05:
+            seq = rng.choice(engine.running)
+            cache.forget(seq.request_id)
+            summary.forgets += 1
+
+    cache.poll = checked_poll  # type: ignore[method-assign]
+    got = work.run(engine)
+    summary.mismatches += sum(got.get(rid) != out for rid, out in expected.items())
+    inner.wait_pinned(30)
+    inner.poll()
+    s = cache.stats_dict()
+    inner.index.check()
+    if s["copies_in_flight"] or s["requests"] or s["pages_used"] != s["pages_evictable"]:
+        raise AssertionError(f"round ended with work left over: {s}")
+    cache.close()
+    summary.rounds += 1
+    summary.requests += len(expected)
+    summary.hits += s["hits"]
+    summary.hit_tokens += s["hit_tokens"]
+    summary.deferred += s["deferred"]
+    summary.evicted += s["pages_evicted"]
+
+
+def soak(seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000) -> Summary:
+    rng = random.Random(seed)
+    summary = Summary()
+    t0 = time.perf_counter()
+    one_round(rng, device, fault_p, summary)  # warm-up: torch and the allocator reach their working size
+    rss0 = rss_mib()
+    while time.perf_counter() - t0 < seconds and summary.rounds < max_rounds:
+        one_round(rng, device, fault_p, summary)
+    summary.rss_growth_mib = rss_mib() - rss0
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0, help="time budget (rounds run until it is spent)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fault-rate", type=float, default=0.05, help="probability that an injected call fails")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="log every handled (injected) error")
+    a = ap.parse_args(argv)
+    if not a.verbose:
+        logging.getLogger("kvtier").setLevel(logging.ERROR)
+    s = soak(a.seconds, a.seed, a.device, a.fault_rate)
+    print(json.dumps(asdict(s)) if a.json else s.line())
+    return 1 if s.mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
