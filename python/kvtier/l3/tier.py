@@ -414,11 +414,11 @@ class L3Tier:
         except L3Timeout as e:
             # The native get may still write the slots: free them only once it returned.
             e.pending.add_done_callback(lambda _f: self.index.abort(ticket))
-            self._get_failed(f"get: {e}")
+            self._get_failed(f"get: {e}", out_keys)
             return
         except L3Error as e:
             self.index.abort(ticket)
-            self._get_failed(f"get: {e}")
+            self._get_failed(f"get: {e}", out_keys)
             return
         finally:
             self._add_seconds("get_seconds", time.perf_counter() - t0)
@@ -427,7 +427,8 @@ class L3Tier:
             # A lost object, a lease that expired, or a value of another size: none of it is used.
             self.index.abort(ticket)
             k, code, want = bad[0]
-            self._get_failed(f"get of {len(bad)} of {len(out_keys)} objects, first {k}: {code} (want {want} bytes)")
+            self._get_failed(f"get of {len(bad)} of {len(out_keys)} objects, first {k}: {code} (want {want} bytes)",
+                             out_keys)  # fmt: skip
             return
         self.index.complete(ticket)
         pages = sum(s is not None for s in pslots)
@@ -438,13 +439,26 @@ class L3Tier:
             self._stats["states_loaded"] += states
             self._stats["bytes_loaded"] += pages * self.page_bytes + states * self.state_bytes
 
-    def _get_failed(self, why: str) -> None:
+    def _get_failed(self, why: str, keys: Sequence[str] = ()) -> None:
+        for key in keys:  # they may be gone or wrong: a later store of this prefix puts them again
+            self._unsee(key)
         self._count("gets_failed")
         log.warning("L3 fetch dropped: %s", why)
 
     def _add_seconds(self, name: str, dt: float) -> None:
         with self._lock:
             self._stats_f[name] += dt
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits until the work submitted so far has run (tests, benchmarks, demos); returns whether it has."""
+        end = time.monotonic() + timeout_s
+        try:
+            futs = [w.submit(lambda: None) for w in (self._gets, self._puts)]
+            for f in futs:
+                f.result(max(0.0, end - time.monotonic()))
+        except Exception:  # noqa: BLE001 - closed, full or not done in time
+            return False
+        return True
 
     # Statistics and shutdown
 
