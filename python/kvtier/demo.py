@@ -48,7 +48,7 @@ class Progress:
         print(f"\r[{bar}] {self.done}/{self.total} {label:<22} {elapsed:6.1f}s", end=end, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace, cache_on: bool, progress: Progress) -> RunResult:
+def run(args: argparse.Namespace, cache_on: bool, progress: Progress, l3_master: str | None = None) -> RunResult:
     import torch
 
     from kvtier.deepinfer import Cache
@@ -70,8 +70,11 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress) -> RunResu
     engine = Engine(cfg)
     cache = None
     if cache_on:
-        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True)
+        l3 = {"l3": "mooncake", "l3_master": l3_master} if l3_master else {}
+        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True, **l3)
         engine.cache = cache
+        if l3_master and not cache.cache._l3.wait_connected(20):
+            raise RuntimeError(f"no Mooncake master at {l3_master}")
     work = Conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
                          args.answer_tokens, args.seed)  # fmt: skip
     res = RunResult()
@@ -202,11 +205,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--plot", metavar="FILE.png", help="draw time to first token per turn, cache off vs on")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--l3", choices=["local"], help="local: start a Mooncake master and holder on loopback; two "
+                    "engine instances with separate host pools share prefixes through it")  # fmt: skip
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.l3 == "local":
+        return main_l3(args)
     progress = Progress(2 * args.turns, args.quiet or args.json)
     off = run(args, False, progress)
     on = run(args, True, progress)
@@ -219,6 +226,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(r)
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0 if r["identical"] else 1
+
+
+def main_l3(args: argparse.Namespace) -> int:
+    """Cache off, then instance A and instance B (each its own engine, cache and host pool, L3 on) on one local
+    Mooncake: B serves the same conversations after A, so its prefixes come from L3, not from its own host."""
+    from kvtier.l3.server import LocalMooncake
+
+    progress = Progress(3 * args.turns, args.quiet or args.json)
+    off = run(args, False, progress)
+    with LocalMooncake(segment_bytes=1 << 30, lease_ttl_ms=200) as server:
+        a = run(args, True, progress, l3_master=server.master_addr)
+        b = run(args, True, progress, l3_master=server.master_addr)
+    keys = ("l3_puts_submitted", "l3_bytes_put", "l3_lookups", "l3_hits", "l3_pages_loaded", "l3_states_loaded",
+            "l3_bytes_loaded", "l3_gets_failed", "l3_get_seconds", "l3_deadline_passed", "l3_errors", "hits",
+            "token_hit_rate")  # fmt: skip
+    r: dict[str, Any] = {
+        "identical": off.outputs == a.outputs == b.outputs,
+        "prefill_tokens_off": off.prefill_tokens,
+        "prefill_tokens_a": a.prefill_tokens,
+        "prefill_tokens_b": b.prefill_tokens,
+        "ttft_p50_off_ms": float(np.percentile(list(off.ttft_ms.values()), 50)),
+        "ttft_p50_a_ms": float(np.percentile(list(a.ttft_ms.values()), 50)),
+        "ttft_p50_b_ms": float(np.percentile(list(b.ttft_ms.values()), 50)),
+        "a": {k: a.stats.get(k, 0) for k in keys},
+        "b": {k: b.stats.get(k, 0) for k in keys},
+    }
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(f"\n{'':<34} {'cache off':>12} {'instance A':>12} {'instance B':>12}")
+        print(f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>12} {r['prefill_tokens_a']:>12} "
+              f"{r['prefill_tokens_b']:>12}")  # fmt: skip
+        print(f"{'TTFT p50 (ms)':<34} {r['ttft_p50_off_ms']:>12.1f} {r['ttft_p50_a_ms']:>12.1f} "
+              f"{r['ttft_p50_b_ms']:>12.1f}")  # fmt: skip
+        for k in keys:
+            fmt = (lambda v: f"{v:.3f}") if isinstance(a.stats.get(k, 0), float) else str
+            print(f"{k:<34} {'-':>12} {fmt(r['a'][k]):>12} {fmt(r['b'][k]):>12}")
+        verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
+        print(f"generated tokens, cache off / instance A / instance B: {verdict}")
     return 0 if r["identical"] else 1
 
 

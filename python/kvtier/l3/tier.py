@@ -476,7 +476,8 @@ class L3Tier:
         not be freed)."""
         end = time.monotonic() + timeout_s
         quiet = self._gets.close(max(0.0, (end - time.monotonic()) / 2))
-        quiet = self._puts.close(max(0.0, end - time.monotonic())) and quiet
+        # Queued write-behind puts still run until the deadline: a closing instance leaves its prefixes behind.
+        quiet = self._puts.close(max(0.0, end - time.monotonic()), drain=True) and quiet
         store = self.store
         if store is None:
             return quiet

@@ -1,0 +1,211 @@
+"""`kvtier bench l3`: page groups through the L3 tier against raw Mooncake Store calls of the same bytes.
+
+Starts a Mooncake master and holder on loopback (or uses ``--master``), then per round:
+- put: a cache stores a prompt of ``groups x group_pages`` fresh pages and the tier puts them (write-behind,
+  multi-buffer, one object per group) — timed from the put's submission until the put worker is idle; the raw
+  side puts the same number of objects of the same size with ``batch_put_from`` from one registered buffer;
+- get: a second cache with an empty host pool resumes that prompt, which starts the tier's fetch (exists, plan,
+  multi-buffer get, size checks, index completion) — timed from the resume call until the fetch is done; the raw
+  side is ``batch_get_into`` of the raw objects into one registered buffer;
+- miss: a prompt that L3 has never seen: the tier's fetch (one ``batch_is_exist``) against a raw
+  ``batch_is_exist`` of the same keys; plus the engine-loop time of the resume call that starts a fetch.
+Throughput is in GB/s (1e9 bytes/s), medians over the rounds. Run: ``kvtier bench l3 [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvtier bench l3", description=__doc__.splitlines()[0])
+    ap.add_argument("--master", help="host:port of a running Mooncake master (default: start one on loopback)")
+    ap.add_argument("--page-kib", type=int, default=256, help="page size in KiB")
+    ap.add_argument("--group-pages", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=16, help="groups per batch (one prompt)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--segment-mib", type=int, default=1024, help="holder segment when starting a master")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = ap.parse_args(argv)
+    for name in ("page_kib", "group_pages", "groups", "rounds", "segment_mib"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+@contextlib.contextmanager
+def _master(args: argparse.Namespace) -> Iterator[str]:
+    if args.master:
+        yield args.master
+        return
+    from kvtier.l3.server import LocalMooncake
+
+    with LocalMooncake(segment_bytes=args.segment_mib << 20, lease_ttl_ms=200) as server:
+        yield server.master_addr
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvtier.cache import HostPrefixCache
+    from kvtier.l3.store import MooncakeStore, StoreConfig
+
+    bs, G, n = 16, args.group_pages, args.groups
+    page = args.page_kib << 10
+    pages = n * G
+    obj = G * page
+    batch_bytes = n * obj
+    gpu = torch.randint(0, 256, (pages, page), dtype=torch.uint8)
+    table = np.arange(pages, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    put_tier, put_raw, get_tier, get_raw, miss_tier, miss_raw, loop_call = ([] for _ in range(7))
+    run_id = str(time.time_ns())  # fresh keys for every run against a long-lived master
+    with _master(args) as master:
+
+        def cache() -> HostPrefixCache:
+            c = HostPrefixCache(gpu, block_size=bs, host_bytes=(pages + 8) * page, preallocate=True, l3="mooncake",
+                                l3_master=master, l3_group_pages=G, l3_deadline_ms=60_000,
+                                fingerprint_fields={"bench": run_id})  # fmt: skip
+            if not c._l3.wait_connected(20):
+                raise RuntimeError(f"no Mooncake master at {master}")
+            return c
+
+        writer, reader = cache(), cache()
+        raw = MooncakeStore(StoreConfig(master))
+        buf = np.random.default_rng(1).integers(0, 256, size=batch_bytes, dtype=np.uint8)
+        raw.register(buf.ctypes.data, buf.nbytes)
+        ptrs = [[buf.ctypes.data + i * obj] for i in range(n)]
+        sizes = [[obj]] * n
+        try:
+            for r in range(args.rounds):
+                prompt = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
+                keys = [f"kvtier/bench/{run_id}/raw/{r}/{i}" for i in range(n)]
+
+                def tier_put() -> None:
+                    # The store's copies complete in poll(), which submits the write-behind put.
+                    writer.store(f"p{r}", prompt, table)
+                    t0 = time.perf_counter()
+                    writer.poll()
+                    if not writer._l3.flush(60):
+                        raise RuntimeError("the tier's put did not finish within 60 s")
+                    put_tier.append(time.perf_counter() - t0)
+                    writer.forget(f"p{r}")
+
+                def raw_put() -> None:
+                    t0 = time.perf_counter()
+                    codes = raw.put_many(keys, ptrs, sizes)
+                    put_raw.append(time.perf_counter() - t0)
+                    if any(codes):
+                        raise RuntimeError(f"raw put failed: {codes}")
+
+                def tier_get() -> None:
+                    # The resume that starts the fetch, then the fetch until done.
+                    t0 = time.perf_counter()
+                    started = reader.resume(f"g{r}", prompt, allocate=lambda: True, block_table=lambda: table)
+                    t1 = time.perf_counter()
+                    fetch = reader._l3._fetches[f"g{r}"]
+                    if started != -1 or fetch is None:
+                        raise RuntimeError("the tier did not start a fetch")
+                    fetch.future.result(60)
+                    get_tier.append(time.perf_counter() - t0)
+                    loop_call.append(t1 - t0)
+                    reader.forget(f"g{r}")
+
+                def raw_get() -> None:
+                    t0 = time.perf_counter()
+                    got = raw.get_many(keys, ptrs, sizes)
+                    get_raw.append(time.perf_counter() - t0)
+                    if got != [obj] * n:
+                        raise RuntimeError(f"raw get failed: {got}")
+
+                # Alternate which side goes first, so that neither always meets a warm (or cold) Store.
+                for step in (tier_put, raw_put, tier_get, raw_get) if r % 2 == 0 else (raw_put, tier_put, raw_get, tier_get):
+                    step()
+                # A miss: a prompt nothing has stored.
+                other = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
+                t0 = time.perf_counter()
+                reader.resume(f"m{r}", other, allocate=lambda: True, block_table=lambda: table)
+                t1 = time.perf_counter()
+                fetch = reader._l3._fetches[f"m{r}"]
+                assert fetch is not None and fetch.future is not None
+                fetch.future.result(60)
+                miss_tier.append(time.perf_counter() - t0)
+                loop_call.append(t1 - t0)
+                reader.forget(f"m{r}")
+                t0 = time.perf_counter()
+                raw.exists_many([f"kvtier/bench/{run_id}/none/{r}/{i}" for i in range(n)])
+                miss_raw.append(time.perf_counter() - t0)
+            ws, rs = writer.stats(), reader.stats()
+            if ws["l3_puts_failed"] or rs["l3_gets_failed"] or rs["l3_pages_loaded"] != pages * args.rounds:
+                    raise RuntimeError(f"the tier dropped work: puts failed {ws['l3_puts_failed']}, "
+                                   f"gets failed {rs['l3_gets_failed']}, pages loaded {rs['l3_pages_loaded']}")
+        finally:
+            raw.unregister(buf.ctypes.data)
+            raw.close(timeout_s=5)
+            writer.close()
+            reader.close()
+
+    def gbps(times: list[float]) -> float:
+        return batch_bytes / statistics.median(times) / 1e9
+
+    def ms(times: list[float]) -> float:
+        return statistics.median(times) * 1e3
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores",
+        "page_bytes": page,
+        "group_pages": G,
+        "groups_per_batch": n,
+        "batch_bytes": batch_bytes,
+        "rounds": args.rounds,
+        "put_tier_gbps": gbps(put_tier),
+        "put_raw_gbps": gbps(put_raw),
+        "put_tier_vs_raw": gbps(put_tier) / gbps(put_raw),
+        "get_tier_gbps": gbps(get_tier),
+        "get_raw_gbps": gbps(get_raw),
+        "get_tier_vs_raw": gbps(get_tier) / gbps(get_raw),
+        "miss_tier_ms": ms(miss_tier),
+        "miss_raw_exists_ms": ms(miss_raw),
+        "miss_added_ms": ms(miss_tier) - ms(miss_raw),
+        "loop_call_start_fetch_ms_max": max(loop_call) * 1e3,
+        "loop_call_start_fetch_ms_p50": ms(loop_call),
+    }
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    r = run(args)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    mib = 1 << 20
+    print(f"L3 tier vs raw Mooncake Store, {r['groups_per_batch']} objects of {r['group_pages']} x "
+          f"{r['page_bytes'] // 1024} KiB pages a batch ({r['batch_bytes'] / mib:.0f} MiB), median of {r['rounds']}")  # fmt: skip
+    print(f"{'':<28} {'tier':>10} {'raw':>10} {'tier/raw':>9}")
+    print(f"{'put (GB/s)':<28} {r['put_tier_gbps']:>10.3f} {r['put_raw_gbps']:>10.3f} {r['put_tier_vs_raw']:>9.2f}")
+    print(f"{'get (GB/s)':<28} {r['get_tier_gbps']:>10.3f} {r['get_raw_gbps']:>10.3f} {r['get_tier_vs_raw']:>9.2f}")
+    print(f"{'miss: lookup (ms)':<28} {r['miss_tier_ms']:>10.3f} {r['miss_raw_exists_ms']:>10.3f}")
+    print(f"engine-loop call that starts a fetch: p50 {r['loop_call_start_fetch_ms_p50']:.3f} ms, "
+          f"max {r['loop_call_start_fetch_ms_max']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
