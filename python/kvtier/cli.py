@@ -12,6 +12,7 @@ COMMANDS = {
     "bench index": "kvtier.bench.index",
     "bench copy": "kvtier.bench.copy",
     "bench l3": "kvtier.bench.l3",
+    "bench pin": "kvtier.bench.pin",
     "soak": "kvtier.soak",
 }
 
@@ -22,6 +23,7 @@ commands:
   bench index    the Rust index against plain-Python bookkeeping on one trace
   bench copy     the page-copy kernel against contiguous memcpy (needs CUDA)
   bench l3       the L3 tier against raw Mooncake Store calls
+  bench pin      pin a large host pool while the engine serves; time every cache call
   soak           randomized fault and load driver: cache on must equal cache off
   info           what this build has (CUDA compiled in, devices visible)
 

@@ -175,6 +175,7 @@ def plot(r: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(turns, r["ttft_per_turn_off_ms"], "o-", label="cache off")
     ax.plot(turns, r["ttft_per_turn_on_ms"], "s-", label="kvtier host cache on")
+    ax.set_xticks(list(turns))
     ax.set_xlabel("turn of the conversation")
     ax.set_ylabel("median time to first token (ms)")
     ax.set_title(f"kvtier demo: {r['model']} model on {r['device']}, hit rate {r['hit_rate']:.0%}")
