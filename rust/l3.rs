@@ -77,8 +77,8 @@ impl SeenSet {
         true
     }
 
+    /// Removes a key (an object found missing in the Store); O(len), used only on failures.
     pub fn remove(&mut self, key: Key) -> bool {
-        // The stale entry in `order` is skipped when it reaches the front (its key is no longer a member).
         let removed = self.members.remove(&key).is_some();
         if removed {
             self.order.retain(|&k| k != key);
