@@ -165,3 +165,40 @@ def test_debug_sync_and_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         CompletionQueue(1000)
     assert issubclass(CopyError, Exception)
     host.close()
+
+
+@pytest.mark.parametrize("variant", range(6))
+@pytest.mark.parametrize("layers,chunk", [(1, 16 << 10), (1, 80 << 10), (61, 272), (3, 16), (2, 40 << 10)])
+def test_every_kernel_variant_round_trips(monkeypatch: pytest.MonkeyPatch, variant: int, layers: int, chunk: int) -> None:
+    """The kernel variants the benchmark compares (KVTIER_COPY_VARIANT, cuda/copy.cu) copy exact bytes both ways,
+    chunks larger than one bulk piece (16 KiB) and a batch longer than the small-batch launch too."""
+    monkeypatch.setenv("KVTIER_COPY_VARIANT", str(variant))
+    rng = np.random.default_rng(variant * 100 + layers)
+    num_blocks, slots, n = 300, 280, 200
+    pool, host = make(layers, chunk, num_blocks, slots, seed=variant)
+    copier = PageCopier(pool[0] if layers == 1 else pool, host, blocks=3)
+    hv = host_array(host)
+    hv[:] = POISON
+    gids = rng.choice(num_blocks, n, replace=False).astype(np.int32)
+    hslots = rng.choice(slots, n, replace=False).astype(np.int32)
+    copier.to_host(gids, hslots)
+    torch.cuda.synchronize()
+    before = [t.clone() for t in pool]
+    for g, s in zip(gids, hslots):
+        assert np.array_equal(hv[s], gpu_page(before, int(g)))
+    written = np.zeros(slots, bool)
+    written[hslots] = True
+    assert (hv[~written] == POISON).all()
+    hv[:] = rng.integers(0, 256, hv.shape, dtype=np.uint8)
+    for t in pool:
+        t.fill_(POISON)
+    dst = rng.choice(num_blocks, n, replace=False).astype(np.int32)
+    src = rng.choice(slots, n, replace=False).astype(np.int32)
+    copier.to_gpu(src, dst)
+    torch.cuda.synchronize()
+    for s, g in zip(src, dst):
+        assert np.array_equal(gpu_page(pool, int(g)), hv[s])
+    untouched = np.setdiff1d(np.arange(num_blocks), dst)
+    for t in pool:
+        assert (t[torch.from_numpy(untouched.astype(np.int64)).cuda()] == POISON).all()
+    host.close()
