@@ -26,3 +26,16 @@ def test_soak_on_gpu():
     s = soak(float(os.environ.get("KVTIER_SOAK_SECONDS", "20")), seed=1, device="cuda")
     print(s.line())
     assert s.mismatches == 0 and s.hits > 0 and s.faults > 0
+
+
+@pytest.mark.mooncake
+def test_soak_with_l3_faults_and_a_master_restart(caplog):
+    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    from kvtier.l3.server import LocalMooncake
+
+    # Its own master: the soak restarts it.
+    with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=200) as server, caplog.at_level("ERROR", "kvtier"):
+        s = soak(float(os.environ.get("KVTIER_SOAK_SECONDS", "15")), seed=2, l3=server)
+    print(s.line())
+    assert s.mismatches == 0
+    assert s.l3_hits > 0 and s.l3_restarts == 1 and s.faults > 0

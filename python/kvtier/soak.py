@@ -35,6 +35,8 @@ class Summary:
     requests: int = 0
     hits: int = 0
     hit_tokens: int = 0
+    l3_hits: int = 0
+    l3_restarts: int = 0
     deferred: int = 0
     evicted: int = 0
     faults: int = 0
@@ -66,7 +68,43 @@ def flaky(fn: Any, rng: random.Random, p: float, summary: Summary) -> Any:
     return call
 
 
-def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary) -> None:
+class FaultyStore:
+    """A Store client that fails on purpose: puts and gets that fail, short reads, objects removed between
+    exists() and get(). Everything else goes to the real client."""
+
+    def __init__(self, store: Any, rng: random.Random, p: float, summary: Summary) -> None:
+        self._store, self._rng, self._p, self._summary = store, rng, p, summary
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def _fault(self) -> bool:
+        hit = self._rng.random() < self._p
+        self._summary.faults += hit
+        return hit
+
+    def put_many(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+        if self._fault():
+            return [-800] * len(keys)  # transfer failed
+        return self._store.put_many(keys, ptrs, sizes)
+
+    def exists_many(self, keys: list[str]) -> list[int]:
+        codes = self._store.exists_many(keys)
+        present = [k for k, c in zip(keys, codes) if c == 1]
+        if present and self._fault():
+            self._store.remove(self._rng.choice(present), True)  # lost between exists() and get()
+        return codes
+
+    def get_many(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+        if self._fault():
+            return [-800] * len(keys)
+        got = self._store.get_many(keys, ptrs, sizes)
+        if got and got[0] > 0 and self._fault():
+            got = [got[0] - 16, *got[1:]]  # a short read
+        return got
+
+
+def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary, l3: Any = None) -> None:
     pattern = rng.choice(["FS", "F", "SF"])
     cfg = EngineConfig.preset(
         "tiny",
@@ -92,16 +130,28 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary)
 
     engine = Engine(cfg)
     has_state = engine.gpu_states is not None
+    l3_settings: dict[str, Any] = {}
+    if l3 is not None:
+        l3_settings = {"l3": "mooncake", "l3_master": l3.master_addr, "l3_group_pages": rng.choice([1, 2, 4]),
+                       "l3_deadline_ms": rng.choice([5, 50, 500])}  # fmt: skip
     cache = Cache(
         engine,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
         num_state_slots=rng.randint(1, 6) if has_state else None,
-        preallocate=rng.random() < 0.5,
+        preallocate=rng.random() < 0.5 or l3 is not None,
         pin_chunk_bytes=4 * engine.page_bytes,
         max_errors=1 << 30,
+        **l3_settings,
     )
     engine.cache = cache
     inner = cache.cache
+    restart_at = -1
+    if l3 is not None:
+        tier = inner._l3
+        if tier.wait_connected(10):
+            tier.store = FaultyStore(tier.store, rng, fault_p, summary)
+        if summary.l3_restarts == 0 and summary.rounds >= 2:
+            restart_at = rng.randint(5, 40)  # restart the master once, in the middle of a round
     inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)
     inner._copy_pages.to_host = flaky(inner._copy_pages.to_host, rng, fault_p, summary)
     if has_state:
@@ -114,15 +164,21 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary)
         poll()
         inner.index.check()
         summary.steps_checked += 1
+        if summary.steps_checked == restart_at + steps0:
+            l3.restart_master()
+            summary.l3_restarts += 1
         if engine.running and rng.random() < 0.05:
             seq = rng.choice(engine.running)
             cache.forget(seq.request_id)
             summary.forgets += 1
 
+    steps0 = summary.steps_checked
     cache.poll = checked_poll  # type: ignore[method-assign]
     got = work.run(engine)
     summary.mismatches += sum(got.get(rid) != out for rid, out in expected.items())
     inner.wait_pinned(30)
+    if inner._l3 is not None:
+        inner._l3.flush(10)  # puts and fetches in flight release their slots
     inner.poll()
     s = cache.stats_dict()
     inner.index.check()
@@ -133,18 +189,22 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary)
     summary.requests += len(expected)
     summary.hits += s["hits"]
     summary.hit_tokens += s["hit_tokens"]
+    summary.l3_hits += s.get("l3_hits", 0)
     summary.deferred += s["deferred"]
     summary.evicted += s["pages_evicted"]
 
 
-def soak(seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000) -> Summary:
+def soak(seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000,
+         l3: Any = None) -> Summary:  # fmt: skip
+    """Rounds until ``seconds`` are spent. ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3
+    tier (with injected Store faults and one master restart) under the same test."""
     rng = random.Random(seed)
     summary = Summary()
     t0 = time.perf_counter()
-    one_round(rng, device, fault_p, summary)  # warm-up: torch and the allocator reach their working size
+    one_round(rng, device, fault_p, summary, l3)  # warm-up: torch and the allocator reach their working size
     rss0 = rss_mib()
     while time.perf_counter() - t0 < seconds and summary.rounds < max_rounds:
-        one_round(rng, device, fault_p, summary)
+        one_round(rng, device, fault_p, summary, l3)
     summary.rss_growth_mib = rss_mib() - rss0
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -158,10 +218,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fault-rate", type=float, default=0.05, help="probability that an injected call fails")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="log every handled (injected) error")
+    ap.add_argument("--l3", action="store_true", help="also run the L3 tier on a local Mooncake Store")
     a = ap.parse_args(argv)
     if not a.verbose:
         logging.getLogger("kvtier").setLevel(logging.ERROR)
-    s = soak(a.seconds, a.seed, a.device, a.fault_rate)
+    if a.l3:
+        from kvtier.l3.server import LocalMooncake
+
+        with LocalMooncake(segment_bytes=512 << 20) as server:
+            s = soak(a.seconds, a.seed, a.device, a.fault_rate, l3=server)
+    else:
+        s = soak(a.seconds, a.seed, a.device, a.fault_rate)
     print(json.dumps(asdict(s)) if a.json else s.line())
     return 1 if s.mismatches else 0
 
