@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,8 +47,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mib", type=int, default=512, help="MiB moved per direction in one measurement")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (the median is reported)")
     ap.add_argument("--pin-gib", type=float, default=4.0, help="GiB of HostPool to back and pin (0: skip)")
-    ap.add_argument("--variant", type=_ints, default=None,
-                    help="kernel variants to compare (KVTIER_COPY_VARIANT, see cuda/copy.cu); default: the built-in one")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     return ap.parse_args(argv)
@@ -167,9 +164,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 t_mc = timer.run(mc, args.reps)
                 bytes_moved = (2 if d == "both" else 1) * n * page_bytes
                 memcpy_gbps = (2 if d == "both" else 1) * total / t_mc / 1e9
-                for variant, threads, b in itertools.product(args.variant or [None], args.threads, args.blocks):
-                    if variant is not None:
-                        os.environ["KVTIER_COPY_VARIANT"] = str(variant)
+                for threads, b in itertools.product(args.threads, args.blocks):
                     blocks = b or sms
                     c = PageCopier(pool[0] if layers == 1 else pool, host, blocks=blocks, threads=threads)
                     h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
@@ -195,7 +190,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "gbps": round(gbps, 2),
                         "memcpy_gbps": round(memcpy_gbps, 2),
                         "ratio": round(gbps / memcpy_gbps, 4),
-                        "variant": os.environ.get("KVTIER_COPY_VARIANT", "default"),
                     }
                     rows.append(row)
                     _emit(row, args.json)
@@ -223,10 +217,10 @@ def _emit(row: dict[str, Any], as_json: bool) -> None:
               flush=True)
         return
     if not _HEADER:
-        print(f"{'layout':<12}{'dir':<6}{'page':>10}{'chunk':>9}{'blocks':>7}{'thr':>6}{'GB/s':>8}{'memcpy':>8}{'ratio':>7}{'variant':>9}")
+        print(f"{'layout':<12}{'dir':<6}{'page':>10}{'chunk':>9}{'blocks':>7}{'thr':>6}{'GB/s':>8}{'memcpy':>8}{'ratio':>7}")
         _HEADER = True
     print(f"{row['layout']:<12}{row['direction']:<6}{row['page_bytes']:>10}{row['chunk_bytes']:>9}{row['blocks']:>7}"
-          f"{row['threads']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}{row['variant']:>9}", flush=True)
+          f"{row['threads']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}", flush=True)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
