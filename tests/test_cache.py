@@ -223,7 +223,7 @@ def test_prometheus_metrics():
 @pytest.mark.parametrize("layout", ["page-first", "layer-first"])
 def test_outputs_identical_on_gpu(layout):
     work = Conversations(conversations=4, turns=3, system_tokens=128, user_tokens=24, answer_tokens=6, seed=3)
-    kw = dict(device="cuda", dtype="bfloat16", num_gpu_blocks=48)
+    kw = dict(device="cuda", dtype="bfloat16", num_gpu_blocks=36)  # three prompts at once do not fit: deferrals
     off = work.run(engine(layout, **kw))
     e = engine(layout, **kw)
     cache = attach(e)

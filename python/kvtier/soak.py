@@ -214,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier soak", description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="time budget (rounds run until it is spent)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=10_000, help="at most this many rounds after the warm-up one")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fault-rate", type=float, default=0.05, help="probability that an injected call fails")
     ap.add_argument("--json", action="store_true")
@@ -226,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvtier.l3.server import LocalMooncake
 
         with LocalMooncake(segment_bytes=512 << 20) as server:
-            s = soak(a.seconds, a.seed, a.device, a.fault_rate, l3=server)
+            s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)
     else:
-        s = soak(a.seconds, a.seed, a.device, a.fault_rate)
+        s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds)
     print(json.dumps(asdict(s)) if a.json else s.line())
     return 1 if s.mismatches else 0
 

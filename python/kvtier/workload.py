@@ -22,9 +22,10 @@ class Conversations:
     user_tokens: int = 48
     answer_tokens: int = 8
     seed: int = 0
+    prefix: str = ""  # request ids are ``<prefix>c<C>-t<T>``: distinct prefixes let one engine run several
 
     def run(self, engine: Engine, on_turn: Callable[[int], None] | None = None) -> dict[str, list[int]]:
-        """Runs every turn to completion; returns each request's generated tokens (request id ``c<C>-t<T>``)."""
+        """Runs every turn to completion; returns each request's generated tokens by request id."""
         vocab = engine.config.vocab
         rng = np.random.default_rng(self.seed)
         system = rng.integers(0, vocab, size=self.system_tokens).tolist()
@@ -34,7 +35,7 @@ class Conversations:
             rids = []
             for c in range(self.conversations):
                 histories[c] += rng.integers(0, vocab, size=self.user_tokens).tolist()
-                rid = f"c{c}-t{turn}"
+                rid = f"{self.prefix}c{c}-t{turn}"
                 engine.add_request(rid, list(histories[c]), self.answer_tokens)
                 rids.append((c, rid))
             engine.run_until_done()

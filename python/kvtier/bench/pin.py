@@ -49,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = Cache(engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096,
                   pin_chunk_bytes=a.chunk_mib << 20)  # fmt: skip
     calls: list[tuple[float, float]] = []
+    stores: list[tuple[float, float]] = []  # the first store starts the pinning
     for name in ("try_resume", "on_prefill_step", "poll"):
-        setattr(cache, name, timed(getattr(cache, name), calls))
+        setattr(cache, name, timed(getattr(cache, name), stores if name == "on_prefill_step" else calls))
     engine.cache = cache
     inner = cache.cache
     t_start = time.perf_counter()
@@ -65,9 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     watcher.start()
     seed = 0
     while time.perf_counter() - t_start < a.max_seconds:
-        Conversations(conversations=8, turns=2, system_tokens=512, user_tokens=64, answer_tokens=8, seed=seed).run(
-            engine
-        )
+        work = Conversations(conversations=8, turns=2, system_tokens=512, user_tokens=64, answer_tokens=8,
+                             seed=seed, prefix=f"s{seed}-")  # fmt: skip
+        work.run(engine)
         seed += 1
         if pinned_at and time.perf_counter() - pinned_at[0] > a.after_seconds:
             break
@@ -75,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_pinned = pinned_at[0] if inner.wait_pinned(0) else None
     s = cache.stats_dict()
     cache.close()
-    first_store = min((t for t, _ in calls), default=t_start)
+    first_store = min((t for t, _ in stores), default=t_start)
+    calls += stores
     during = [d for t, d in calls if t_pinned is None or t < t_pinned]
     after = [d for t, d in calls if t_pinned is not None and t >= t_pinned]
     pin_s = (t_pinned - first_store) if t_pinned else float("nan")
