@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 
 
-def timed(fn: Callable[..., Any], sink: list[tuple[float, float]]) -> Callable[..., Any]:
+def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: str) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             t1 = time.perf_counter()
-            sink.append((t0, t1 - t0))
+            sink.append((t0, t1 - t0, name))
 
     return call
 
@@ -33,7 +33,7 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float]]) -> Callable[.
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench pin", description=__doc__.splitlines()[0])
     ap.add_argument("--host-gib", type=float, default=64)
-    ap.add_argument("--chunk-mib", type=int, default=256)
+    ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="small")
     ap.add_argument("--after-seconds", type=float, default=5.0, help="keep serving this long after pinning")
@@ -48,10 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
     cache = Cache(engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096,
                   pin_chunk_bytes=a.chunk_mib << 20)  # fmt: skip
-    calls: list[tuple[float, float]] = []
-    stores: list[tuple[float, float]] = []  # the first store starts the pinning
+    calls: list[tuple[float, float, str]] = []
     for name in ("try_resume", "on_prefill_step", "poll"):
-        setattr(cache, name, timed(getattr(cache, name), stores if name == "on_prefill_step" else calls))
+        setattr(cache, name, timed(getattr(cache, name), calls, name))
     engine.cache = cache
     inner = cache.cache
     t_start = time.perf_counter()
@@ -76,10 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_pinned = pinned_at[0] if inner.wait_pinned(0) else None
     s = cache.stats_dict()
     cache.close()
-    first_store = min((t for t, _ in stores), default=t_start)
-    calls += stores
-    during = [d for t, d in calls if t_pinned is None or t < t_pinned]
-    after = [d for t, d in calls if t_pinned is not None and t >= t_pinned]
+    # The first store starts the pinning.
+    first_store = min((t for t, _, name in calls if name == "on_prefill_step"), default=t_start)
+    during = [d for t, d, _ in calls if t_pinned is None or t < t_pinned]
+    after = [d for t, d, _ in calls if t_pinned is not None and t >= t_pinned]
+    slowest = {name: max((d for _, d, n in calls if n == name), default=0.0) * 1e3
+               for name in ("try_resume", "on_prefill_step", "poll")}  # fmt: skip
     pin_s = (t_pinned - first_store) if t_pinned else float("nan")
     out = {
         "host_gib": a.host_gib,
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "calls_after": len(after),
         "max_call_ms_after": max(after, default=0) * 1e3,
         "p99_call_ms_after": float(np.percentile(after, 99)) * 1e3 if after else 0.0,
+        "max_ms_by_call": slowest,
         "hits": s["hits"],
         "token_hit_rate": s["token_hit_rate"],
         "device": a.device,
