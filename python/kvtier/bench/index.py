@@ -31,37 +31,57 @@ def make_trace(conversations: int, turns: int, system: int, turn_tokens: int, se
     return trace
 
 
-def run_rust(trace: Sequence[tuple[str, list[int]]], page_slots: int, block_size: int) -> tuple[float, float, int]:
-    ix = Index(page_slots, block_size=block_size)
+class RustSide:
+    """The Rust index, fed int32 arrays made from the engine's token lists."""
+
+    def __init__(self, page_slots: int, block_size: int) -> None:
+        self.ix = Index(page_slots, block_size=block_size)
+
+    def prepare(self, tokens: list[int]) -> np.ndarray:
+        return np.asarray(tokens, dtype=np.int32)
+
+    def lookup(self, rid: str, tokens: np.ndarray) -> int:
+        return self.ix.lookup(rid, tokens).hit_tokens
+
+    def load(self, rid: str, hit: int) -> int:
+        return self.ix.begin_load(rid, hit).ticket
+
+    def store(self, rid: str, tokens: np.ndarray) -> int:
+        return self.ix.plan_store(rid, tokens).ticket
+
+
+class PythonSide:
+    """The plain-Python bookkeeping, fed the token lists as they are."""
+
+    def __init__(self, page_slots: int, block_size: int) -> None:
+        self.ix = PyIndex(page_slots, block_size=block_size)
+
+    def prepare(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def lookup(self, rid: str, tokens: list[int]) -> int:
+        return self.ix.lookup(rid, tokens)[0]
+
+    def load(self, rid: str, hit: int) -> int:
+        return self.ix.begin_load(rid, hit)[0]
+
+    def store(self, rid: str, tokens: list[int]) -> int:
+        return self.ix.plan_store(rid, tokens)[0]
+
+
+def run(side: RustSide | PythonSide, trace: Sequence[tuple[str, list[int]]]) -> tuple[float, float, int]:
+    """Seconds of lookups (with their loads), seconds of stores, and hit tokens over the trace."""
+    ix = side.ix
     lookup_s = store_s = 0.0
     hit_tokens = 0
     for rid, tokens in trace:
         t0 = time.perf_counter()
-        arr = np.asarray(tokens, dtype=np.int32)
-        hit = ix.lookup(rid, arr).hit_tokens
+        prepared = side.prepare(tokens)
+        hit = side.lookup(rid, prepared)
         if hit:
-            ix.complete(ix.begin_load(rid, hit).ticket)
+            ix.complete(side.load(rid, hit))
         t1 = time.perf_counter()
-        ix.complete(ix.plan_store(rid, arr).ticket)
-        ix.forget(rid)
-        t2 = time.perf_counter()
-        lookup_s += t1 - t0
-        store_s += t2 - t1
-        hit_tokens += hit
-    return lookup_s, store_s, hit_tokens
-
-
-def run_python(trace: Sequence[tuple[str, list[int]]], page_slots: int, block_size: int) -> tuple[float, float, int]:
-    ix = PyIndex(page_slots, block_size=block_size)
-    lookup_s = store_s = 0.0
-    hit_tokens = 0
-    for rid, tokens in trace:
-        t0 = time.perf_counter()
-        hit = ix.lookup(rid, tokens)[0]
-        if hit:
-            ix.complete(ix.begin_load(rid, hit)[0])
-        t1 = time.perf_counter()
-        ix.complete(ix.plan_store(rid, tokens)[0])
+        ix.complete(side.store(rid, prepared))
         ix.forget(rid)
         t2 = time.perf_counter()
         lookup_s += t1 - t0
@@ -85,8 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = make_trace(a.conversations, a.turns, a.system_tokens, a.turn_tokens, a.seed)
     ops = len(trace)
     tokens = sum(len(t) for _, t in trace)
-    rust = min((run_rust(trace, a.page_slots, a.block_size) for _ in range(a.repeat)), key=lambda r: r[0] + r[1])
-    py = min((run_python(trace, a.page_slots, a.block_size) for _ in range(a.repeat)), key=lambda r: r[0] + r[1])
+    def best(side: type[RustSide] | type[PythonSide]) -> tuple[float, float, int]:
+        runs = [run(side(a.page_slots, a.block_size), trace) for _ in range(a.repeat)]
+        return min(runs, key=lambda r: r[0] + r[1])
+
+    rust, py = best(RustSide), best(PythonSide)
     if rust[2] != py[2]:
         raise SystemExit(f"the two implementations disagree: {rust[2]} vs {py[2]} hit tokens")
     out = {
