@@ -19,7 +19,7 @@ pub struct Stats {
     pub pages_loaded: u64,
     pub states_stored: u64,
     pub states_loaded: u64,
-    /// Copies aborted and other errors reported to the index.
+    /// Failures the cache handled (a copy that could not be launched, an engine callback that raised).
     pub errors: u64,
 }
 

@@ -338,7 +338,6 @@ class HostPrefixCache:
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
         out: dict[str, Any] = dict(self.index.stats())
-        out["errors"] = max(out["errors"], self.errors)
         out["disabled"] = self.disabled
         out["page_bytes"] = self.page_bytes
         out["state_bytes"] = self.state_bytes

@@ -283,7 +283,6 @@ class PyIndex:
         if t.load_tokens is not None:
             self.stats["hits"] -= 1
             self.stats["hit_tokens"] -= t.load_tokens
-        self.stats["errors"] += 1
 
     def forget(self, request_id: str) -> bool:
         self.counted.discard(request_id)
