@@ -80,7 +80,8 @@ class CacheSettings:
     hash_kind: str = "blake3"
     hash_key: str | None = None
     staging_slots: int = 16
-    pin_chunk_bytes: int = 64 << 20  # each chunk's registration holds the driver: 256 MiB stalled launches 58 ms
+    # Each chunk's registration holds the driver and stalls launches on the engine loop: docs/PERFORMANCE.md.
+    pin_chunk_bytes: int = 16 << 20
     preallocate: bool = False
     max_errors: int = 3
     l3: str | None = None  # None or "mooncake"

@@ -33,7 +33,7 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: st
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench pin", description=__doc__.splitlines()[0])
     ap.add_argument("--host-gib", type=float, default=64)
-    ap.add_argument("--chunk-mib", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="small")
     ap.add_argument("--after-seconds", type=float, default=5.0, help="keep serving this long after pinning")
