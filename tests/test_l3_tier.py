@@ -335,6 +335,7 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
     print(f"\nengine-loop calls during a 32K-token L3 fetch: {len(no_copy)} calls, max {no_copy[-1] * 1e3:.2f} ms, "
           f"p50 {no_copy[len(no_copy) // 2] * 1e3:.3f} ms; the hit with its {n_pages * page_bytes >> 20} MiB "
           f"memcpy {times[-1] * 1e3:.2f} ms; fetch {s['l3_get_seconds'] * 1e3:.1f} ms")  # fmt: skip
-    assert no_copy[-1] < 0.01, no_copy[-1]
+    # A functional bound, not the speed target (1 ms; docs/PERFORMANCE.md): no call waits for the Store's get.
+    assert no_copy[-1] < 0.05, no_copy[-1]
     a.close()
     b.close()
