@@ -1,14 +1,34 @@
 """Type stubs of kvtier's Rust core (kvtier._core)."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias, final
+
+from typing_extensions import Self
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+__all__ = [
+    "CompletionQueue",
+    "CopyError",
+    "HostPool",
+    "Index",
+    "KvtierError",
+    "LoadPlan",
+    "Lookup",
+    "PageCopier",
+    "SeenSet",
+    "StaleLookupError",
+    "StorePlan",
+    "__version__",
+    "build_info",
+    "fingerprint",
+    "group_key_string",
+    "state_key_string",
+]
 
-Int32Ids = npt.NDArray[np.int32] | Sequence[int]
+_Int32Ids: TypeAlias = npt.NDArray[np.int32] | Sequence[int]
 
 class KvtierError(Exception):
     """Base class of kvtier's own errors."""
@@ -22,6 +42,7 @@ class CopyError(KvtierError):
 def build_info() -> dict[str, Any]:
     """version, cuda (kernel compiled in), cuda_runtime_version, cuda_devices (visible now), nvcc."""
 
+@final
 class Lookup:
     @property
     def hit_tokens(self) -> int: ...
@@ -30,6 +51,7 @@ class Lookup:
     @property
     def limit_pages(self) -> int: ...
 
+@final
 class LoadPlan:
     @property
     def ticket(self) -> int: ...
@@ -40,6 +62,7 @@ class LoadPlan:
     @property
     def state_slot(self) -> int | None: ...
 
+@final
 class StorePlan:
     @property
     def ticket(self) -> int: ...
@@ -54,9 +77,10 @@ class StorePlan:
     @property
     def state_slots(self) -> npt.NDArray[np.int32]: ...
 
+@final
 class Index:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         page_slots: int,
         *,
         state_slots: int = 0,
@@ -69,7 +93,7 @@ class Index:
         hash_key: str | bytes | None = None,
         usable_page_slots: int | None = None,
         usable_state_slots: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def page_slots(self) -> int: ...
     @property
@@ -83,19 +107,19 @@ class Index:
     @property
     def key_id(self) -> str: ...
     def grow(self, usable_page_slots: int, usable_state_slots: int) -> None: ...
-    def chain(self, request_id: str, token_ids: Int32Ids, *, namespace: str | bytes | None = None) -> list[int]: ...
+    def chain(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> list[int]: ...
     def keys(self, request_id: str) -> list[int]: ...
-    def lookup(self, request_id: str, token_ids: Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
+    def lookup(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
     def defer(self, request_id: str) -> None: ...
     def begin_load(self, request_id: str, hit_tokens: int) -> LoadPlan: ...
     def plan_store(
         self,
         request_id: str,
-        token_ids: Int32Ids,
+        token_ids: _Int32Ids,
         *,
         seq_len: int | None = None,
         namespace: str | bytes | None = None,
-        block_table: Int32Ids | None = None,
+        block_table: _Int32Ids | None = None,
     ) -> StorePlan: ...
     def complete(self, ticket: int) -> None: ...
     def abort(self, ticket: int) -> None: ...
@@ -116,9 +140,11 @@ class Index:
     def state_slot(self, key: int) -> int | None: ...
     def check(self) -> None: ...
 
+@final
 class SeenSet:
-    def __init__(self, capacity: int) -> None: ...
-    def __contains__(self, key: int) -> bool: ...
+    def __new__(
+        cls, capacity: int) -> Self: ...
+    def __contains__(self, key: int, /) -> bool: ...
     def insert(self, key: int) -> bool: ...
     def remove(self, key: int) -> bool: ...
     def __len__(self) -> int: ...
@@ -129,8 +155,10 @@ def state_key_string(fingerprint: str, page_key: int) -> str: ...
 
 # ---- page copies (rust/py/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) ----------------
 
+@final
 class HostPool:
-    def __init__(self, slots: int, slot_bytes: int, *, chunk_bytes: int = 268435456, pin: bool | None = None) -> None: ...
+    def __new__(
+        cls, slots: int, slot_bytes: int, *, chunk_bytes: int = ..., pin: bool | None = None) -> Self: ...
     @property
     def slots(self) -> int: ...
     @property
@@ -151,9 +179,10 @@ class HostPool:
     def write(self, slot: int, data: bytes) -> None: ...
     def close(self) -> None: ...
 
+@final
 class PageCopier:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         layer_ptrs: Sequence[int],
         layer_strides: Sequence[int],
         num_blocks: int,
@@ -163,9 +192,9 @@ class PageCopier:
         *,
         blocks: int | None = None,
         threads: int | None = None,
-    ) -> None: ...
-    def to_host(self, gpu_ids: Int32Ids, host_slots: Int32Ids, stream: int = 0) -> None: ...
-    def to_gpu(self, host_slots: Int32Ids, gpu_ids: Int32Ids, stream: int = 0) -> None: ...
+    ) -> Self: ...
+    def to_host(self, gpu_ids: _Int32Ids, host_slots: _Int32Ids, stream: int = 0) -> None: ...
+    def to_gpu(self, host_slots: _Int32Ids, gpu_ids: _Int32Ids, stream: int = 0) -> None: ...
     @property
     def blocks(self) -> int: ...
     @property
@@ -179,8 +208,10 @@ class PageCopier:
     @property
     def device(self) -> int | None: ...
 
+@final
 class CompletionQueue:
-    def __init__(self, device: int | None = None) -> None: ...
+    def __new__(
+        cls, device: int | None = None) -> Self: ...
     def record(self, token: int, stream: int = 0) -> None: ...
     def poll(self) -> list[int]: ...
     def pending(self) -> int: ...
