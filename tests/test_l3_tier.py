@@ -339,3 +339,21 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
     assert no_copy[-1] < 0.05, no_copy[-1]
     a.close()
     b.close()
+
+
+def test_groups_already_in_the_store_are_not_sent_again(mooncake_server):
+    """A second instance that computed the same prefixes itself finds them in the Store and puts none of them
+    (one exists() round trip instead of the bytes)."""
+    first, second = engine(seed=11, layer_pattern="F"), engine(seed=11, layer_pattern="F")  # pages only
+    prompts = recording(first)
+    a = attach(first, mooncake_server.master_addr)
+    work(21).run(first)
+    sa = settle(a)
+    assert sa["l3_puts_submitted"] > 0 and sa["l3_puts_failed"] == 0
+    b = attach(second, mooncake_server.master_addr)
+    for rid, prompt in prompts.items():
+        b.cache.store(f"b-{rid}", prompt, np.arange(len(prompt) // 16, dtype=np.int32))
+    sb = settle(b)
+    assert sb["l3_puts_present"] > 0 and sb["l3_puts_submitted"] == 0, sb
+    a.close()
+    b.close()

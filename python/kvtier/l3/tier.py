@@ -114,7 +114,7 @@ class L3Tier:
         self._connecting: Future[Any] | None = None
         self._stats = dict.fromkeys(
             ("lookups", "hits", "misses", "pages_loaded", "states_loaded", "bytes_loaded", "gets_failed",
-             "deadline_passed", "puts_submitted", "puts_failed", "bytes_put", "errors"), 0)  # fmt: skip
+             "deadline_passed", "puts_submitted", "puts_present", "puts_failed", "bytes_put", "errors"), 0)  # fmt: skip
         self._stats_f = {"get_seconds": 0.0, "exists_seconds": 0.0}
         self._gets = Worker("kvtier-l3-get", max_pending=256)
         self._puts = Worker("kvtier-l3-put", max_pending=4096)
@@ -310,6 +310,16 @@ class L3Tier:
             out_keys.append(key)
             ptrs.append([self._state_ptr(s)])
             sizes.append([self.state_bytes])
+        if out_keys:
+            # Another instance may have put these already (the first writer wins): one exists() round trip
+            # costs far less than sending the bytes again.
+            try:
+                present = self.store.exists_many(out_keys)
+            except L3Error:
+                present = [0] * len(out_keys)
+            kept = [i for i, code in enumerate(present) if code != 1]
+            self._count("puts_present", len(out_keys) - len(kept))
+            out_keys, ptrs, sizes = [out_keys[i] for i in kept], [ptrs[i] for i in kept], [sizes[i] for i in kept]
         if not out_keys:
             self.index.complete(ticket)
             return
