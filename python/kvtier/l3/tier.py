@@ -2,7 +2,8 @@
 
 Write-behind: when a store's host copies complete, the prompt's whole groups of ``group_pages`` pages (one object
 per group, named by the chain key of its last page) and its group-aligned states are put straight from the host
-pools on the put worker, with the host entries held until the put returns.
+pools on the put worker, with the host entries held until the put returns. Keys in the seen-set are skipped, and
+one exists() call drops those another instance put already (the first writer wins, so sending them is waste).
 
 Read: on a host miss the cache asks ``start_fetch``; the get worker asks the Store which groups beyond the host's
 reach exist, takes the longest run (and, for models with state, the deepest group-aligned boundary with a state on
