@@ -224,9 +224,9 @@ class L3Tier:
         if self.store is None:
             self._maybe_connect()
             return False
-        keys = keys_of()[: g1 * self.group_pages]
         try:
-            fut = self._gets.submit(self._fetch, keys, g0, g1)
+            # The chain keys are read on the worker: turning a long chain into Python ints is not loop work.
+            fut = self._gets.submit(lambda: self._fetch(keys_of()[: g1 * self.group_pages], g0, g1))
         except Exception:  # noqa: BLE001 - a full or closed worker: the request goes ahead without L3
             return False
         self._count("lookups")
