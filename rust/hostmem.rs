@@ -256,7 +256,7 @@ mod tests {
         assert_eq!(pool.usable_slots(), 0);
         assert!(pool.read(0).is_err());
         let first = pool.grow_chunk().unwrap();
-        assert!(first >= 3 && first < 10, "{first}");
+        assert!((3..10).contains(&first), "{first}");
         pool.write(1, &[7; 16]).unwrap();
         assert_eq!(&pool.read(1).unwrap()[..17], &[7u8; 16].iter().copied().chain([0]).collect::<Vec<_>>()[..]);
         assert_eq!(pool.grow_to(10).unwrap(), 10);

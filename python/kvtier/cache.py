@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvtier import Index
-from kvtier.copy import CompletionQueue, HostPool, PageCopier
+from kvtier.copy import HostPool, PageCopier
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier")

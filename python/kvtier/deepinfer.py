@@ -17,13 +17,9 @@ continues uncached, and after ``max_errors`` errors the cache disables itself.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kvtier.cache import HostPrefixCache
-
-log = logging.getLogger("kvtier")
-
 
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
