@@ -285,9 +285,11 @@ class HostPrefixCache:
 
     def _check_blocks(self, table: np.ndarray) -> None:
         """GPU block ids must be inside the pool: checked before anything is planned or copied."""
+        if table.ndim != 1:
+            return  # the index names the shape
         num_blocks = self._copy_pages.num_blocks
-        bad = table[(table < 0) | (table >= num_blocks)] if table.ndim == 1 else table
-        if table.ndim == 1 and bad.size:
+        bad = table[(table < 0) | (table >= num_blocks)]
+        if bad.size:
             raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
 
     @_guarded(None)

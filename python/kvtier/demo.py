@@ -30,7 +30,7 @@ class RunResult:
 
 
 class Progress:
-    """A one-line progress bar on stderr (nothing when stderr is not a terminal and quiet is set)."""
+    """A one-line progress bar on stderr (nothing when quiet)."""
 
     def __init__(self, total: int, quiet: bool) -> None:
         self.total, self.done, self.quiet = total, 0, quiet
