@@ -1,8 +1,10 @@
 //! Compiles the CUDA copy kernel in `cuda/` when nvcc can be found, and links the CUDA runtime statically.
 //!
-//! nvcc is looked for in this order: `NVCC`, `$CUDA_HOME/bin/nvcc`, the `nvidia-cuda-nvcc` wheel of the build
-//! Python (`nvidia/cu13/bin/nvcc`), then `PATH`. `KVTIER_NO_CUDA=1` builds without CUDA. Without nvcc the crate
-//! still builds; the `kvtier_cuda` cfg is then off and the module reports CUDA unavailable at run time.
+//! nvcc is looked for in this order: `NVCC`, `$CUDA_HOME/bin/nvcc`, the `nvidia-cuda-nvcc` wheel importable by the
+//! build Python (`nvidia/cu13/bin/nvcc`; pip's isolated build environment puts the build requirements there), then
+//! `PATH`. `KVTIER_NO_CUDA=1` builds without CUDA. Without nvcc, a build of the Python module (the `python`
+//! feature, i.e. a wheel) for Linux x86_64 fails with a message saying so; other builds go on without the kernel:
+//! the `kvtier_cuda` cfg is then off and the module reports CUDA unavailable at run time.
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,7 +13,7 @@ const CUDA_SOURCES: &[&str] = &["cuda/copy.cu"];
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(kvtier_cuda)");
-    for var in ["NVCC", "CUDA_HOME", "KVTIER_NO_CUDA", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "PATH"] {
+    for var in ["NVCC", "CUDA_HOME", "KVTIER_NO_CUDA", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "PYTHONPATH", "PATH"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
     for src in CUDA_SOURCES {
@@ -24,7 +26,20 @@ fn main() {
         return;
     }
     let Some(nvcc) = find_nvcc() else {
-        println!("cargo::warning=nvcc not found: building without the CUDA copy kernel");
+        let msg = "nvcc not found (looked at NVCC, CUDA_HOME, the nvidia-cuda-nvcc wheel on the build Python's import \
+                   path, PATH)";
+        // A wheel for Linux x86_64 without the kernel would be a silent downgrade for every user of it: refuse,
+        // unless a CPU-only build is asked for. Plain cargo builds (tests, benches, lints) only warn.
+        let wheel = env::var_os("CARGO_FEATURE_PYTHON").is_some();
+        let linux_x86_64 = env::var("CARGO_CFG_TARGET_OS").is_ok_and(|v| v == "linux")
+            && env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|v| v == "x86_64");
+        if wheel && linux_x86_64 {
+            panic!(
+                "{msg}: the wheel would have no CUDA copy kernel. Install the build requirements (pip does), set \
+                    NVCC or CUDA_HOME, or set KVTIER_NO_CUDA=1 for a CPU-only build."
+            );
+        }
+        println!("cargo::warning={msg}: building without the CUDA copy kernel");
         return;
     };
     let root = nvcc.parent().and_then(Path::parent).expect("nvcc lives in <cuda>/bin").to_path_buf();
@@ -77,20 +92,33 @@ fn find_nvcc() -> Option<PathBuf> {
     if let Some(p) = env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).and_then(exists) {
         return Some(p);
     }
+    // The nvidia-cuda-nvcc wheel of the build requirements. In pip's isolated build it is on the build
+    // interpreter's import path (not in its purelib), so ask the interpreter where the `nvidia` namespace
+    // package is rather than guessing a directory.
     let pythons = ["PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"]
         .iter()
         .filter_map(|v| env::var(v).ok())
         .chain(["python3".to_string(), "python".to_string()]);
     for py in pythons {
-        let out = Command::new(&py)
-            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-            .output();
-        if let Ok(out) = out {
-            let site = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            if let Some(p) = exists(PathBuf::from(site).join("nvidia/cu13/bin/nvcc")) {
+        for dir in nvidia_package_dirs(&py) {
+            if let Some(p) = exists(dir.join("cu13/bin/nvcc")) {
                 return Some(p);
             }
         }
     }
     env::var_os("PATH").and_then(|paths| env::split_paths(&paths).map(|d| d.join("nvcc")).find_map(exists))
+}
+
+/// The directories of the `nvidia` namespace package as `python` imports it (none if it cannot).
+fn nvidia_package_dirs(python: &str) -> Vec<PathBuf> {
+    const SCRIPT: &str = "import nvidia; print(\"\\n\".join(nvidia.__path__))";
+    match Command::new(python).args(["-c", SCRIPT]).output() {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(PathBuf::from)
+            .collect(),
+        _ => Vec::new(),
+    }
 }
