@@ -217,6 +217,21 @@ def test_forced_remove_between_exists_and_get(
     assert mooncake_store.remove(keys[1], force=True) == OBJECT_NOT_FOUND
 
 
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Waits until every thread of `pid` is stopped: SIGSTOP is delivered asynchronously, and on a loaded machine a
+    thread can still answer a request after kill() returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
+        time.sleep(0.005)
+
+
 def test_master_killed_then_restarted() -> None:
     call_timeout_s = 1.5
     with LocalMooncake(segment_bytes=64 << 20, lease_ttl_ms=200) as server:
@@ -268,10 +283,12 @@ def test_master_killed_then_restarted() -> None:
 
             # A frozen master (SIGSTOP) accepts connections but never answers: native calls would block ~30 s.
             # The caller gets L3Timeout at the bound; the native call ends once the master runs again.
+            assert store.healthy()
             master_pid = server.master_pid
             assert master_pid is not None
             os.kill(master_pid, signal.SIGSTOP)
             try:
+                wait_stopped(master_pid)
                 t0 = time.monotonic()
                 with pytest.raises(L3Timeout) as frozen:
                     store.get_many(["after"], *whole(buf, range(1, 2)))
