@@ -127,7 +127,7 @@ def test_tiny_host_pool_evicts_and_stays_exact():
 
 def test_host_pool_is_pinned_lazily_off_the_loop():
     e = engine()
-    cache = attach(e, preallocate=False, pin_chunk_bytes=256 << 10)
+    cache = attach(e, preallocate=False, pin_step_bytes=256 << 10)
     assert cache.stats_dict()["host_bytes_pinned"] == 0, "nothing is allocated before the first store"
     off = WORK.run(engine())
     assert WORK.run(e) == off

@@ -139,7 +139,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
         num_state_slots=rng.randint(1, 6) if has_state else None,
         preallocate=rng.random() < 0.5 or l3 is not None,
-        pin_chunk_bytes=4 * engine.page_bytes,
+        pin_step_bytes=4 * engine.page_bytes,
         max_errors=1 << 30,
         **l3_settings,
     )

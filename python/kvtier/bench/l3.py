@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 def tier_get() -> None:
                     # The resume that starts the fetch, then the fetch until done.
                     t0 = time.perf_counter()
-                    started = reader.resume(f"g{r}", prompt, allocate=lambda: True, block_table=lambda: table)
+                    started = reader.resume(f"g{r}", prompt, allocate=lambda: table)
                     t1 = time.perf_counter()
                     fetch = reader._l3._fetches[f"g{r}"]
                     if started != -1 or fetch is None:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # A miss: a prompt nothing has stored.
                 other = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
                 t0 = time.perf_counter()
-                reader.resume(f"m{r}", other, allocate=lambda: True, block_table=lambda: table)
+                reader.resume(f"m{r}", other, allocate=lambda: table)
                 t1 = time.perf_counter()
                 fetch = reader._l3._fetches[f"m{r}"]
                 assert fetch is not None and fetch.future is not None

@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
     cache = Cache(engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096,
-                  pin_chunk_bytes=a.chunk_mib << 20)  # fmt: skip
+                  pin_step_bytes=a.chunk_mib << 20)  # fmt: skip
     calls: list[tuple[float, float, str]] = []
     for name in ("try_resume", "on_prefill_step", "poll"):
         setattr(cache, name, timed(getattr(cache, name), calls, name))
