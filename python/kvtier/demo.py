@@ -52,22 +52,11 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress, l3_master:
     import torch
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine import Engine
     from kvtier.workload import Conversations
 
     torch.manual_seed(args.seed)
-    cfg = EngineConfig.preset(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        layout=args.layout,
-        block_size=args.block_size,
-        num_gpu_blocks=args.gpu_blocks,
-        max_batch=args.max_batch,
-        chunk_size=args.chunk_size,
-        seed=args.seed,
-    )
-    engine = Engine(cfg)
+    engine = Engine(engine_config(args))
     cache = None
     if cache_on:
         l3 = {"l3": "mooncake", "l3_master": l3_master} if l3_master else {}
@@ -186,23 +175,25 @@ def plot(r: dict[str, Any], path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.splitlines()[0])
+    from kvtier.cli import at_least, parser as make_parser
+
+    ap = make_parser("kvtier demo", __doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset: tiny, small, medium, large")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"])
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--user-tokens", type=int, default=64)
-    ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--gpu-blocks", type=int, default=200, help="GPU KV pool, in blocks (small: it evicts)")
-    ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--host-mib", type=int, default=256, help="host pool size")
-    ap.add_argument("--state-slots", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"], help="GPU pool layout")
+    ap.add_argument("--conversations", type=at_least(1), default=8, help="conversations, interleaved")
+    ap.add_argument("--turns", type=at_least(1), default=6, help="turns of each conversation")
+    ap.add_argument("--system-tokens", type=at_least(1), default=512, help="shared system prompt")
+    ap.add_argument("--user-tokens", type=at_least(1), default=64, help="new user message of each turn")
+    ap.add_argument("--answer-tokens", type=at_least(1), default=16, help="tokens generated per turn")
+    ap.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
+    ap.add_argument("--chunk-size", type=at_least(1), default=64, help="prefill chunk, in tokens")
+    ap.add_argument("--gpu-blocks", type=at_least(1), default=200, help="GPU KV pool, in blocks (small: it evicts)")
+    ap.add_argument("--max-batch", type=at_least(1), default=4, help="sequences running at once")
+    ap.add_argument("--host-mib", type=at_least(1), default=256, help="host pool size, in MiB")
+    ap.add_argument("--state-slots", type=at_least(0), default=256, help="host state slots (models with state)")
+    ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and the conversations")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--plot", metavar="FILE.png", help="draw time to first token per turn, cache off vs on")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -211,8 +202,55 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    from kvtier.engine import EngineConfig
+
+    return EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        layout=args.layout,
+        block_size=args.block_size,
+        num_gpu_blocks=args.gpu_blocks,
+        max_batch=args.max_batch,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+    )
+
+
+def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Everything that would fail later, checked before the baseline runs (one line, exit status 2)."""
+    from kvtier.cli import L3_EXTRA
+    from kvtier.settings import CacheSettings, check_fits
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install \"kvtier[demo]\"")
+    if args.l3 == "local":
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            ap.error(f"--l3 local needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
+    try:
+        cfg = engine_config(args)
+        settings = CacheSettings(host_bytes=args.host_mib << 20, state_slots=args.state_slots)
+        has_state = cfg.num_sliding_layers > 0 and cfg.state_bytes > 0
+        if args.host_mib << 20 < cfg.page_bytes:
+            raise ValueError(f"--host-mib {args.host_mib} holds no page of {cfg.page_bytes} bytes")
+        if has_state and args.state_slots == 0:
+            raise ValueError(f"--state-slots must be > 0 for the {args.model} model, which has state")
+        check_fits(settings, page_slots=(args.host_mib << 20) // cfg.page_bytes, page_bytes=cfg.page_bytes,
+                   state_bytes=cfg.state_bytes if has_state else 0)  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    check(ap, args)
     if args.l3 == "local":
         return main_l3(args)
     progress = Progress(2 * args.turns, args.quiet or args.json)
