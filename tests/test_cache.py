@@ -231,3 +231,21 @@ def test_outputs_identical_on_gpu(layout):
     s = cache.stats_dict()
     assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0
     cache.close()
+
+
+def test_stores_skipped_while_pinning_are_logged_once_and_counted(caplog):
+    e = engine(pattern="F")
+    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="2MiB", pin_step_bytes="64KiB")
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        for i in range(3):
+            c.store(f"r{i}", list(range(i * 100, i * 100 + 64)), [0, 1, 2, 3])
+    s = c.stats()
+    assert 1 <= s["store_skipped_pinning"] <= 3, "the first store of a lazily pinned pool is skipped"
+    assert s["store_skipped"] >= s["store_skipped_pinning"] and s["errors"] == 0
+    told = [r for r in caplog.records if "still being pinned" in r.message]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
+    assert c.wait_pinned(30)
+    c.store("after", list(range(64)), [0, 1, 2, 3])
+    c.poll()
+    assert c.lookup("q", list(range(64))) == 48 and c.stats()["store_skipped_pinning"] == s["store_skipped_pinning"]
+    c.close()

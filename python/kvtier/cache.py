@@ -242,7 +242,7 @@ class HostPrefixCache:
     # Host memory
 
     def _grow_all(self) -> None:
-        """Pins the host pools chunk by chunk, making each chunk's slots usable as soon as it is pinned."""
+        """Pins the host pools in pin steps, making each step's slots usable as soon as it is pinned."""
         pools = [p for p in (self._host_pages, self._host_states) if p is not None]
         try:
             for pool in pools:
@@ -378,10 +378,10 @@ class HostPrefixCache:
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]
-        self._start_growing()
         pinning = any(p.usable_slots < p.slots for p in (self._host_pages, self._host_states) if p is not None)
         skipped = self.index.stats()["store_skipped"] if pinning else 0
         plan = self.index.plan_store(request_id, tokens, seq_len=seq_len, namespace=namespace, block_table=table)
+        self._start_growing()  # after planning: the first store of a lazily pinned pool is always skipped
         if len(plan.page_slots) == 0 and len(plan.state_slots) == 0:
             self.index.complete(plan.ticket)  # nothing to copy: present entries were only touched
             if pinning and self.index.stats()["store_skipped"] > skipped:
