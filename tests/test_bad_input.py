@@ -77,31 +77,67 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         ("cache empty resume", lambda: c.resume("r", [], allocate=allocate), NOOP, ""),
         ("cache huge prompt", lambda: c.lookup("huge", np.arange(1 << 20, dtype=np.int32)), NOOP, ""),
         ("cache GPU block out of range", lambda: c.store("oob", ok_prompt, [0, 1, 2, 10**6]), ValueError, "1000000"),
-        ("cache CUDA tensor on CPU cache", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=-5),
-         ValueError, "-5"),
+        (
+            "cache CUDA tensor on CPU cache",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=-5),
+            ValueError,
+            "-5",
+        ),
         ("cache 1-D pool", lambda: HostPrefixCache(e.gpu_blocks[0], block_size=16), ValueError, "2-D"),
-        ("cache float pool", lambda: HostPrefixCache(e.gpu_blocks.view(torch.float16), block_size=16), TypeError,
-         "dtype"),
+        (
+            "cache float pool",
+            lambda: HostPrefixCache(e.gpu_blocks.view(torch.float16), block_size=16),
+            TypeError,
+            "dtype",
+        ),
         ("cache strided pool", lambda: HostPrefixCache(e.gpu_blocks[::2], block_size=16), ValueError, "contiguous"),
         ("cache misaligned pool", lambda: HostPrefixCache(e.gpu_blocks[:, 8:], block_size=16), ValueError, ""),
-        ("cache mixed layer shapes", lambda: HostPrefixCache([e.gpu_blocks, e.gpu_blocks[:, :64].contiguous()], block_size=16),
-         ValueError, "shape"),
+        (
+            "cache mixed layer shapes",
+            lambda: HostPrefixCache([e.gpu_blocks, e.gpu_blocks[:, :64].contiguous()], block_size=16),
+            ValueError,
+            "shape",
+        ),
         ("cache no pool", lambda: HostPrefixCache([], block_size=16), TypeError, "pages"),
-        ("cache state without callbacks", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_bytes=64,
-                                                                  state_slots=2), ValueError, "callbacks"),
-        ("cache negative state slots", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_slots=-2),
-         ValueError, "-2"),
-        ("cache bad bool env", lambda: HostPrefixCache(e.gpu_blocks, block_size=16,
-                                                       env={"KVTIER_PREALLOCATE": "maybe"}), ValueError, "maybe"),
-        ("cache l3 without master", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, l3="mooncake"),
-         ValueError, "l3_master"),
+        (
+            "cache state without callbacks",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_bytes=64, state_slots=2),
+            ValueError,
+            "callbacks",
+        ),
+        (
+            "cache negative state slots",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_slots=-2),
+            ValueError,
+            "-2",
+        ),
+        (
+            "cache bad bool env",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, env={"KVTIER_PREALLOCATE": "maybe"}),
+            ValueError,
+            "maybe",
+        ),
+        (
+            "cache l3 without master",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, l3="mooncake"),
+            ValueError,
+            "l3_master",
+        ),
         ("cache forget unknown", lambda: c.forget("nobody"), NOOP, ""),
         # Block ids are integers in range, checked before any conversion (issue 11's list).
         ("block id 2**40", lambda: p.store("b", ok_prompt, [0, 1, 2, 2**40]), ValueError, str(2**40)),
-        ("int64 block id wraps to 20", lambda: p.store("b", ok_prompt, np.array([0, 1, 2, 2**32 + 20])), ValueError,
-         str(2**32 + 20)),
-        ("uint64 block id", lambda: p.store("b", ok_prompt, np.array([0, 1, 2, 2**63], np.uint64)), ValueError,
-         str(2**63)),
+        (
+            "int64 block id wraps to 20",
+            lambda: p.store("b", ok_prompt, np.array([0, 1, 2, 2**32 + 20])),
+            ValueError,
+            str(2**32 + 20),
+        ),
+        (
+            "uint64 block id",
+            lambda: p.store("b", ok_prompt, np.array([0, 1, 2, 2**63], np.uint64)),
+            ValueError,
+            str(2**63),
+        ),
         ("float block ids", lambda: p.store("b", ok_prompt, [0, 1, 2, 3.7]), TypeError, "3.7"),
         ("float block array", lambda: p.store("b", ok_prompt, np.arange(4.0)), TypeError, "float64"),
         ("float block tensor", lambda: p.store("b", ok_prompt, torch.arange(4.0)), TypeError, "float32"),
@@ -116,47 +152,119 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         ("seq_len under the prompt", lambda: p.store("b", ok_prompt, ok_table, seq_len=3), ValueError, "3"),
         ("request id not a str", lambda: p.store(7, ok_prompt, ok_table), TypeError, "request_id"),
         ("namespace int", lambda: p.store("b", ok_prompt, ok_table, namespace=5), TypeError, "namespace"),
-        ("resume allocate not callable", lambda: p.resume("b", ok_prompt, allocate=ok_table), TypeError,
-         "allocate"),
-        ("resume table 2**40", lambda: p.resume("seen", ok_prompt, allocate=lambda: [0, 1, 2**40, 3]), ValueError,
-         str(2**40)),
-        ("resume table of floats", lambda: p.resume("seen", ok_prompt, allocate=lambda: [0.0, 1.0, 2.0]),
-         TypeError, "0.0"),
-        ("resume allocate says True", lambda: p.resume("seen", ok_prompt, allocate=lambda: True), TypeError,
-         "block table or None"),
+        ("resume allocate not callable", lambda: p.resume("b", ok_prompt, allocate=ok_table), TypeError, "allocate"),
+        (
+            "resume table 2**40",
+            lambda: p.resume("seen", ok_prompt, allocate=lambda: [0, 1, 2**40, 3]),
+            ValueError,
+            str(2**40),
+        ),
+        (
+            "resume table of floats",
+            lambda: p.resume("seen", ok_prompt, allocate=lambda: [0.0, 1.0, 2.0]),
+            TypeError,
+            "0.0",
+        ),
+        (
+            "resume allocate says True",
+            lambda: p.resume("seen", ok_prompt, allocate=lambda: True),
+            TypeError,
+            "block table or None",
+        ),
         ("resume short table", lambda: p.resume("seen", ok_prompt, allocate=lambda: [0]), ValueError, "1 blocks"),
         ("lookup int request", lambda: p.lookup(None, ok_prompt), TypeError, "request_id"),
         # Settings: ValueError naming the setting, before any allocation (no setting aborts the process).
-        ("setting host_bytes text", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="lots"),
-         ValueError, "host_bytes"),
-        ("setting host_bytes bool", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=True),
-         ValueError, "host_bytes"),
-        ("setting host_bytes float", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=1.5),
-         ValueError, "host_bytes"),
-        ("setting host_bytes over memory", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=big),
-         ValueError, "host_bytes"),
-        ("setting host_bytes 1TiB of 1 KiB pages", lambda: HostPrefixCache(torch.zeros(4, 1024, dtype=torch.uint8),
-         block_size=16, host_bytes=f"{big >> 40}TiB" if big >> 40 else "1TiB"), ValueError, "host_bytes"),
-        ("setting state_slots 2e9", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_bytes=e.state_bytes,
-         state_slots=2_000_000_000, select_state=e.select_state, load_state=e.load_state), ValueError,
-         "state_slots"),
-        ("setting state_slots 2**31", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_slots=2**31),
-         ValueError, "state_slots"),
-        ("setting staging_slots 10**6", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, staging_slots=10**6),
-         ValueError, "staging_slots"),
-        ("setting pin_step_bytes 0", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, pin_step_bytes=0),
-         ValueError, "pin_step_bytes"),
-        ("setting deadline nan", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, l3_deadline_ms=float("nan")),
-         ValueError, "l3_deadline_ms"),
-        ("setting keep_tokens 1.5", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, keep_tokens="1.5"),
-         ValueError, "keep_tokens"),
-        ("setting host_bytes inf env", lambda: HostPrefixCache(e.gpu_blocks, block_size=16,
-                                                               env={"KVTIER_HOST_BYTES": "1e999"}), ValueError,
-         "KVTIER_HOST_BYTES"),
+        (
+            "setting host_bytes text",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="lots"),
+            ValueError,
+            "host_bytes",
+        ),
+        (
+            "setting host_bytes bool",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=True),
+            ValueError,
+            "host_bytes",
+        ),
+        (
+            "setting host_bytes float",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=1.5),
+            ValueError,
+            "host_bytes",
+        ),
+        (
+            "setting host_bytes over memory",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=big),
+            ValueError,
+            "host_bytes",
+        ),
+        (
+            "setting host_bytes 1TiB of 1 KiB pages",
+            lambda: HostPrefixCache(
+                torch.zeros(4, 1024, dtype=torch.uint8),
+                block_size=16,
+                host_bytes=f"{big >> 40}TiB" if big >> 40 else "1TiB",
+            ),
+            ValueError,
+            "host_bytes",
+        ),
+        (
+            "setting state_slots 2e9",
+            lambda: HostPrefixCache(
+                e.gpu_blocks,
+                block_size=16,
+                state_bytes=e.state_bytes,
+                state_slots=2_000_000_000,
+                select_state=e.select_state,
+                load_state=e.load_state,
+            ),
+            ValueError,
+            "state_slots",
+        ),
+        (
+            "setting state_slots 2**31",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_slots=2**31),
+            ValueError,
+            "state_slots",
+        ),
+        (
+            "setting staging_slots 10**6",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, staging_slots=10**6),
+            ValueError,
+            "staging_slots",
+        ),
+        (
+            "setting pin_step_bytes 0",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, pin_step_bytes=0),
+            ValueError,
+            "pin_step_bytes",
+        ),
+        (
+            "setting deadline nan",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, l3_deadline_ms=float("nan")),
+            ValueError,
+            "l3_deadline_ms",
+        ),
+        (
+            "setting keep_tokens 1.5",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, keep_tokens="1.5"),
+            ValueError,
+            "keep_tokens",
+        ),
+        (
+            "setting host_bytes inf env",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, env={"KVTIER_HOST_BYTES": "1e999"}),
+            ValueError,
+            "KVTIER_HOST_BYTES",
+        ),
         ("setting l3 kind", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, l3="redis"), ValueError, "l3"),
         ("block_size bool", lambda: HostPrefixCache(e.gpu_blocks, block_size=True), ValueError, "block_size"),
-        ("state_bytes float", lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_bytes=1.5), ValueError,
-         "state_bytes"),
+        (
+            "state_bytes float",
+            lambda: HostPrefixCache(e.gpu_blocks, block_size=16, state_bytes=1.5),
+            ValueError,
+            "state_bytes",
+        ),
     ]
 
 
@@ -177,7 +285,7 @@ def test_every_bad_input_is_rejected_and_the_cache_still_serves(setup):
             call()
             pytest.fail(f"{name}: did not raise {expected.__name__}")
         assert text in str(info.value), f"{name}: {info.value!r} does not name {text!r}"
-    for cache, n in zip((c, p), stored):
+    for cache, n in zip((c, p), stored, strict=True):
         cache.index.check()
         s = cache.stats()
         assert s["errors"] == 0 and s["bad_arguments"] == 0 and not s["disabled"], "bad input counts nothing"
@@ -215,9 +323,16 @@ def test_adapter_swallows_everything(setup):
 def test_duplicate_request_ids_get_the_right_pages():
     """A request id reused for another prompt rehashes from the first differing block: no wrong hit."""
     e = engine()
-    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=4 << 20, preallocate=True,
-                        state_slots=8, state_bytes=e.state_bytes, select_state=e.select_state,
-                        load_state=e.load_state)  # fmt: skip
+    c = HostPrefixCache(
+        e.gpu_blocks,
+        block_size=16,
+        host_bytes=4 << 20,
+        preallocate=True,
+        state_slots=8,
+        state_bytes=e.state_bytes,
+        select_state=e.select_state,
+        load_state=e.load_state,
+    )
     a, b = list(range(64)), list(range(100, 164))
     c.index.plan_store("dup", a)  # chain of a under "dup" (ticket left to complete below)
     assert c.index.chain("dup", b) == c.index.chain("fresh", b)
@@ -225,8 +340,16 @@ def test_duplicate_request_ids_get_the_right_pages():
 
 def test_calls_after_close_are_no_ops():
     e = engine()
-    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=4 << 20, state_slots=8, state_bytes=e.state_bytes,
-                        select_state=e.select_state, load_state=e.load_state, preallocate=True)  # fmt: skip
+    c = HostPrefixCache(
+        e.gpu_blocks,
+        block_size=16,
+        host_bytes=4 << 20,
+        state_slots=8,
+        state_bytes=e.state_bytes,
+        select_state=e.select_state,
+        load_state=e.load_state,
+        preallocate=True,
+    )
     c.close()
     c.close()
     assert c.resume("r", list(range(64)), allocate=lambda: [0, 1, 2, 3]) == 0

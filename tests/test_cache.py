@@ -17,8 +17,16 @@ WORK = Conversations(conversations=3, turns=3, system_tokens=64, user_tokens=20,
 
 
 def engine(layout: str = "page-first", pattern: str = "FS", device: str = "cpu", **kw) -> Engine:
-    cfg = dict(num_gpu_blocks=64, num_state_slots=4, chunk_size=32, max_batch=3, layout=layout, layer_pattern=pattern,
-               device=device, ring_slack=32)  # fmt: skip
+    cfg = dict(
+        num_gpu_blocks=64,
+        num_state_slots=4,
+        chunk_size=32,
+        max_batch=3,
+        layout=layout,
+        layer_pattern=pattern,
+        device=device,
+        ring_slack=32,
+    )
     cfg.update(kw)
     return Engine(EngineConfig.preset("tiny", **cfg))
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -18,8 +19,28 @@ from kvtier.settings import REGISTRY
 
 def test_demo_json_reports_identical_outputs_and_savings(capsys, tmp_path):
     plot = tmp_path / "ttft.png"
-    rc = main(["demo", "--json", "--model", "tiny", "--conversations", "3", "--turns", "3", "--system-tokens", "64",
-               "--user-tokens", "24", "--answer-tokens", "4", "--gpu-blocks", "48", "--plot", str(plot)])  # fmt: skip
+    rc = main(
+        [
+            "demo",
+            "--json",
+            "--model",
+            "tiny",
+            "--conversations",
+            "3",
+            "--turns",
+            "3",
+            "--system-tokens",
+            "64",
+            "--user-tokens",
+            "24",
+            "--answer-tokens",
+            "4",
+            "--gpu-blocks",
+            "48",
+            "--plot",
+            str(plot),
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["identical"] is True
     for key in ("hit_rate", "prefill_tokens_off", "prefill_tokens_on", "ttft_p50_off_ms", "ttft_p50_on_ms"):
@@ -29,12 +50,33 @@ def test_demo_json_reports_identical_outputs_and_savings(capsys, tmp_path):
 
 
 def test_bench_index_json(capsys):
-    rc = main(["bench", "index", "--json", "--conversations", "2", "--turns", "3", "--system-tokens", "256",
-               "--turn-tokens", "64", "--repeat", "1"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "index",
+            "--json",
+            "--conversations",
+            "2",
+            "--turns",
+            "3",
+            "--system-tokens",
+            "256",
+            "--turn-tokens",
+            "64",
+            "--repeat",
+            "1",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["tokens"] > 0 and out["hit_tokens"] > 0
-    for key in ("rust_lookup_us", "python_lookup_us", "rust_store_us", "python_store_us", "speedup_lookup",
-                "speedup_store"):  # fmt: skip
+    for key in (
+        "rust_lookup_us",
+        "python_lookup_us",
+        "rust_store_us",
+        "python_store_us",
+        "speedup_lookup",
+        "speedup_store",
+    ):
         assert out[key] > 0
 
 
@@ -99,12 +141,13 @@ def test_bad_numbers_fail_in_one_line_before_any_work(argv, text, capsys):
     assert time.perf_counter() - t0 < 10, "checked before any work runs"
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: str | None = None) -> Any:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")} | (env or {})
     if pythonpath:
         full["PYTHONPATH"] = pythonpath + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, env=full,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, env=full, timeout=120
+    )
 
 
 def test_demo_l3_names_the_extra_before_the_baseline(tmp_path):

@@ -17,8 +17,9 @@ TABLE = {name: kind for name, kind, _ in stat_table()}
 
 
 def cache(**settings) -> HostPrefixCache:
-    return HostPrefixCache(torch.zeros(32, 256, dtype=torch.uint8), block_size=4, host_bytes="8KiB",
-                           preallocate=True, **settings)  # fmt: skip
+    return HostPrefixCache(
+        torch.zeros(32, 256, dtype=torch.uint8), block_size=4, host_bytes="8KiB", preallocate=True, **settings
+    )
 
 
 def exported(c: HostPrefixCache) -> dict[str, float]:
@@ -76,8 +77,9 @@ def test_readme_settings_table_is_the_registry():
 
 
 def test_settings_come_from_argument_env_or_default():
-    s = CacheSettings.resolve({"KVTIER_HOST_BYTES": "1GiB", "KVTIER_KEEP_TOKENS": "5", "KVTIER_L3": ""},
-                              keep_tokens=7, preallocate="yes")  # fmt: skip
+    s = CacheSettings.resolve(
+        {"KVTIER_HOST_BYTES": "1GiB", "KVTIER_KEEP_TOKENS": "5", "KVTIER_L3": ""}, keep_tokens=7, preallocate="yes"
+    )
     assert (s.host_bytes, s.keep_tokens, s.preallocate, s.l3) == (1 << 30, 7, True, None)
     assert s.sources["host_bytes"] == "env" and s.sources["keep_tokens"] == "argument"
     assert s.sources["state_slots"] == "default" and s.sources["preallocate"] == "argument"
@@ -86,9 +88,14 @@ def test_settings_come_from_argument_env_or_default():
     assert s.replace(keep_tokens=2).keep_tokens == 2 and s.replace(keep_tokens=2).host_bytes == 1 << 30
 
 
-BAD_VALUES = {"bytes": ["lots", -1, True, 1.5, "1e9", [1]], "int": ["many", -1, 1.5, "1.5", False, None],
-              "float": ["soon", float("inf"), True, -1], "bool": ["maybe", 2, 1.0], "text": [5, b"x"],
-              "secret": [5]}  # fmt: skip
+BAD_VALUES = {
+    "bytes": ["lots", -1, True, 1.5, "1e9", [1]],
+    "int": ["many", -1, 1.5, "1.5", False, None],
+    "float": ["soon", float("inf"), True, -1],
+    "bool": ["maybe", 2, 1.0],
+    "text": [5, b"x"],
+    "secret": [5],
+}
 
 
 @pytest.mark.parametrize("setting", REGISTRY, ids=lambda s: s.name)

@@ -114,7 +114,7 @@ def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table
         head = table[:needed]
     if len(head) < needed:
         raise ValueError(f"{what} has {len(table)} blocks, {needed} are needed")
-    for b in (head if not isinstance(head, np.ndarray) else head[(head < 0) | (head >= num_blocks)][:1]):
+    for b in head if not isinstance(head, np.ndarray) else head[(head < 0) | (head >= num_blocks)][:1]:
         if not 0 <= b < num_blocks:
             raise ValueError(f"block id {int(b)} is outside the GPU pool of {num_blocks} blocks")
     return np.asarray(head, dtype=np.int32)
@@ -141,7 +141,7 @@ class HostPrefixCache:
     """A host-memory prefix cache over an engine's paged GPU KV pool.
 
     ``pages`` is the GPU pool: one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of per-layer
-    uint8 tensors ``[num_blocks, chunk_bytes]`` (layer-first). Models with per-sequence state (sliding-window
+    uint8 tensors ``[num_blocks, segment_bytes]`` (layer-first). Models with per-sequence state (sliding-window
     rings, SSM states) pass ``state_bytes`` and two engine callbacks: ``select_state(handle, pos, staging)``
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
@@ -307,8 +307,11 @@ class HostPrefixCache:
         if not callable(allocate):
             raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
         if block_table is not None:
-            warnings.warn("resume(block_table=...) is deprecated: let allocate() return the block table (or None "
-                          "for not now)", DeprecationWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "resume(block_table=...) is deprecated: let allocate() return the block table (or None for not now)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             allocate = _old_allocate(allocate, block_table)
         tokens = token_array(prompt_ids)
         return self._resume(request_id, tokens, allocate, state, namespace)
@@ -334,8 +337,9 @@ class HostPrefixCache:
             self.index.defer(request_id)
             return -1
         if isinstance(table, (bool, np.bool_)):
-            raise TypeError("allocate() must return the block table or None, got a bool (the old form passes "
-                            "block_table= as well)")  # fmt: skip
+            raise TypeError(
+                "allocate() must return the block table or None, got a bool (the old form passes block_table= as well)"
+            )
         n = hit // self.block_size
         ids = block_ids(table, n, self._copy_pages.num_blocks, "allocate()'s block table")
         try:
@@ -416,9 +420,13 @@ class HostPrefixCache:
         if not self._told_pinning:
             self._told_pinning = True
             pinned = self._usable(self._host_pages) * self.page_bytes >> 20
-            log.info("kvtier: a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
-                     "stores use each pin step as it completes (preallocate=True pins at construction, "
-                     "wait_pinned() waits for it)", pinned, self.page_slots * self.page_bytes >> 20)  # fmt: skip
+            log.info(
+                "kvtier: a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
+                "stores use each pin step as it completes (preallocate=True pins at construction, "
+                "wait_pinned() waits for it)",
+                pinned,
+                self.page_slots * self.page_bytes >> 20,
+            )
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -446,9 +454,9 @@ class HostPrefixCache:
         out["state_bytes"] = self.state_bytes
         out["bytes_to_host"] = out["pages_stored"] * self.page_bytes + out["states_stored"] * self.state_bytes
         out["bytes_to_gpu"] = out["pages_loaded"] * self.page_bytes + out["states_loaded"] * self.state_bytes
-        out["host_bytes_pinned"] = self._usable(self._host_pages) * self.page_bytes + self._usable(
-            self._host_states
-        ) * self.state_bytes
+        out["host_bytes_pinned"] = (
+            self._usable(self._host_pages) * self.page_bytes + self._usable(self._host_states) * self.state_bytes
+        )
         out["copies_in_flight"] = self._completions.pending()
         with self._lock:
             out.update(self._counts)
@@ -480,8 +488,9 @@ class HostPrefixCache:
         ``bad_arguments``, never towards ``max_errors``; anything else is kvtier's failure (``errors``)."""
         if isinstance(e, CALLER_ERRORS):
             self._count("bad_arguments")
-            log.warning("kvtier: %s refused a bad argument (%s: %s); the request continues uncached", where,
-                        type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "kvtier: %s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
+            )
         else:
             self._error(where, e)
 

@@ -30,9 +30,11 @@ BENCHMARKS = {
     "l3": "the L3 tier against raw Mooncake Store calls",
     "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
 }
-BENCH_USAGE = "usage: kvtier bench <benchmark> [options]\n\nbenchmarks:\n" + "".join(
-    f"  {name:<13}{text}\n" for name, text in BENCHMARKS.items()
-) + "\n`kvtier bench <benchmark> --help` for its options and their defaults."
+BENCH_USAGE = (
+    "usage: kvtier bench <benchmark> [options]\n\nbenchmarks:\n"
+    + "".join(f"  {name:<13}{text}\n" for name, text in BENCHMARKS.items())
+    + "\n`kvtier bench <benchmark> --help` for its options and their defaults."
+)
 USAGE = (
     "usage: kvtier <command> [options]\n\ncommands:\n"
     "  demo           multi-turn conversations through the reference engine, cache off vs on\n"
@@ -160,8 +162,10 @@ def print_info(r: dict[str, Any]) -> None:
     if r["cuda_kernel"]:
         print(f"CUDA copy kernel: compiled in (CUDA runtime {r['cuda_runtime'] or 'unknown'}, nvcc {r['nvcc']})")
     else:
-        print("CUDA copy kernel: NOT compiled in (built without nvcc): a cache over a CUDA pool raises CopyError "
-              "at construction; CPU pools work (memcpy)")  # fmt: skip
+        print(
+            "CUDA copy kernel: NOT compiled in (built without nvcc): a cache over a CUDA pool raises CopyError "
+            "at construction; CPU pools work (memcpy)"
+        )
     visible = r["cuda_visible_devices"]
     print(f"CUDA devices visible: {r['cuda_devices']}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""))
     for i, name in enumerate(r["devices"]):

@@ -20,8 +20,9 @@ GAUGES = {name: help_text for name, kind, help_text in TABLE if kind == "gauge"}
 class CacheCollector:
     """A collector that reports one cache's statistics under ``<prefix>_...`` names."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], prefix: str = "kvtier",
-                 labels: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stats: Callable[[], dict[str, Any]], prefix: str = "kvtier", labels: dict[str, str] | None = None
+    ) -> None:
         self.stats = stats
         self.prefix = prefix
         self.labels = dict(labels or {})
@@ -40,8 +41,9 @@ class CacheCollector:
             yield m
 
 
-def register_metrics(cache: Any, registry: Any = None, *, prefix: str = "kvtier",
-                     labels: dict[str, str] | None = None) -> CacheCollector:  # fmt: skip
+def register_metrics(
+    cache: Any, registry: Any = None, *, prefix: str = "kvtier", labels: dict[str, str] | None = None
+) -> CacheCollector:
     """Registers a cache's statistics on ``registry`` (default: prometheus_client's global REGISTRY).
 
     ``cache`` is anything with ``stats()`` or ``stats_dict()`` (HostPrefixCache, the DeepInfer adapter)."""

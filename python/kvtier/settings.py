@@ -24,8 +24,22 @@ INT32_MAX = 2**31 - 1
 # Kinds of value.
 BYTES, INT, FLOAT, BOOL, TEXT, SECRET = "bytes", "int", "float", "bool", "text", "secret"
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$")
 _INT = re.compile(r"^\s*[+-]?[0-9][0-9_]*\s*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -132,19 +146,50 @@ S = Setting
 REGISTRY: tuple[Setting, ...] = (
     S("host_bytes", BYTES, 4 << 30, "host page pool (`64GiB`, `512MiB` ... accepted)", minimum=1),
     S("state_slots", INT, 0, "host state slots (required > 0 for models with state)", minimum=0, maximum=INT32_MAX),
-    S("keep_tokens", INT, 1, "prompt suffix always recomputed; a hit is capped at `floor((n - keep) / bs) * bs`",
-      minimum=1, maximum=INT32_MAX),
+    S(
+        "keep_tokens",
+        INT,
+        1,
+        "prompt suffix always recomputed; a hit is capped at `floor((n - keep) / bs) * bs`",
+        minimum=1,
+        maximum=INT32_MAX,
+    ),
     S("min_hit_tokens", INT, None, "shorter hits are misses", minimum=0, maximum=INT32_MAX, shown="2 blocks"),
-    S("state_lookback_blocks", INT, 4, "states kept at this many deepest boundaries of a prompt", minimum=0,
-      maximum=INT32_MAX, env="KVTIER_STATE_LOOKBACK"),
-    S("ring_slack", INT, 0, "a state at `b` needs `b >= seq_len - ring_slack`", minimum=0, maximum=INT32_MAX,
-      shown="0 (the adapter reads `engine.ring_slack`)"),
-    S("hash_kind", TEXT, "blake3", "`blake3` (keyed, cryptographic) or `xxh3` (faster; collisions can be crafted: "
-      "single tenant only)", choices=("blake3", "xxh3")),
+    S(
+        "state_lookback_blocks",
+        INT,
+        4,
+        "states kept at this many deepest boundaries of a prompt",
+        minimum=0,
+        maximum=INT32_MAX,
+        env="KVTIER_STATE_LOOKBACK",
+    ),
+    S(
+        "ring_slack",
+        INT,
+        0,
+        "a state at `b` needs `b >= seq_len - ring_slack`",
+        minimum=0,
+        maximum=INT32_MAX,
+        shown="0 (the adapter reads `engine.ring_slack`)",
+    ),
+    S(
+        "hash_kind",
+        TEXT,
+        "blake3",
+        "`blake3` (keyed, cryptographic) or `xxh3` (faster; collisions can be crafted: single tenant only)",
+        choices=("blake3", "xxh3"),
+    ),
     S("hash_key", SECRET, None, "per-deployment secret key of the block hash", shown="public default"),
     S("staging_slots", INT, 16, "GPU staging buffers for state copies", minimum=1, maximum=4096),
-    S("pin_step_bytes", BYTES, 16 << 20, "host pools are pinned in pin steps of this size off the engine loop",
-      minimum=1, old_names=("pin_chunk_bytes",)),
+    S(
+        "pin_step_bytes",
+        BYTES,
+        16 << 20,
+        "host pools are pinned in pin steps of this size off the engine loop",
+        minimum=1,
+        old_names=("pin_chunk_bytes",),
+    ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
     S("l3", TEXT, None, "`mooncake` enables the L3 tier", choices=("mooncake",)),
@@ -286,13 +331,16 @@ def machine_memory() -> int | None:
 BOOKKEEPING_BYTES_PER_SLOT = 96
 
 
-def check_fits(settings: CacheSettings, *, page_slots: int, page_bytes: int, state_bytes: int,
-               memory: int | None = None) -> None:  # fmt: skip
+def check_fits(
+    settings: CacheSettings, *, page_slots: int, page_bytes: int, state_bytes: int, memory: int | None = None
+) -> None:
     """Raises ``ValueError`` naming the setting when the host pools, their bookkeeping and the L3 buffers cannot
     fit in this machine's memory: checked before anything is allocated, so no setting aborts the process."""
     if page_slots > INT32_MAX:
-        raise ValueError(f"setting host_bytes={settings.host_bytes} makes {page_slots} page slots of {page_bytes} "
-                         f"bytes; at most {INT32_MAX} are supported")  # fmt: skip
+        raise ValueError(
+            f"setting host_bytes={settings.host_bytes} makes {page_slots} page slots of {page_bytes} "
+            f"bytes; at most {INT32_MAX} are supported"
+        )
     memory = machine_memory() if memory is None else memory
     if memory is None:
         return
@@ -304,8 +352,11 @@ def check_fits(settings: CacheSettings, *, page_slots: int, page_bytes: int, sta
     if pages > memory:
         raise ValueError(f"setting host_bytes={settings.host_bytes} needs {pages} bytes with its bookkeeping; {have}")
     if pages + states > memory:
-        raise ValueError(f"setting state_slots={state_slots} needs {states} bytes ({state_bytes} per state with its "
-                         f"bookkeeping) beside host_bytes={settings.host_bytes}; {have}")  # fmt: skip
+        raise ValueError(
+            f"setting state_slots={state_slots} needs {states} bytes ({state_bytes} per state with its "
+            f"bookkeeping) beside host_bytes={settings.host_bytes}; {have}"
+        )
     if pages + states + l3 > memory:
-        raise ValueError(f"settings l3_segment_bytes + l3_buffer_bytes ({l3} bytes) do not fit beside the host "
-                         f"pools; {have}")  # fmt: skip
+        raise ValueError(
+            f"settings l3_segment_bytes + l3_buffer_bytes ({l3} bytes) do not fit beside the host pools; {have}"
+        )

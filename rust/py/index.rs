@@ -192,7 +192,12 @@ impl PyIndex {
 
     /// What `lookup` would answer now, keeping nothing (no chain, no statistics).
     #[pyo3(signature = (token_ids, *, namespace=None))]
-    fn peek(&self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<PyLookup> {
+    fn peek(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyLookup> {
         let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
         let t = tokens.as_slice();

@@ -52,7 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     args = ap.parse_args(argv)
-    for name, values, low in (("page-sizes", args.page_sizes, 1), ("blocks", args.blocks, 0), ("threads", args.threads, 1)):
+    lists = (("page-sizes", args.page_sizes, 1), ("blocks", args.blocks, 0), ("threads", args.threads, 1))
+    for name, values, low in lists:
         if not values or min(values) < low:
             ap.error(f"argument --{name}: every value must be >= {low}, got {values}")
     return args

@@ -8,7 +8,6 @@ process; the Rust side includes turning the engine's token list into an int32 ar
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence

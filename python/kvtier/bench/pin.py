@@ -8,7 +8,6 @@ rate (GiB/s) and the calls' times after pinning finished, in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -39,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="pin step, in MiB (--chunk-mib is its old name)")  # fmt: skip
     ap.add_argument("--device", default="cuda", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset of the reference engine")
-    ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="keep serving this long after pinning")
+    ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="serve this long after pinning")
     ap.add_argument("--max-seconds", type=positive(), default=120.0, help="give up after this long")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
