@@ -416,3 +416,13 @@ def test_old_resume_form_warns_and_still_works():
         assert c.resume("b", list(range(64)), allocate=lambda: False, block_table=lambda: [4, 5, 6]) == -1
     with pytest.warns(DeprecationWarning, match="allocate"):
         assert c.resume("b", list(range(64)), allocate=lambda: True, block_table=lambda: [4, 5, 6]) == 48
+
+
+def test_l3_settings_that_cannot_fit_are_refused_before_anything_starts():
+    e = engine()
+    big = 2 * (machine_memory() or 1 << 40)
+    for name in ("l3_segment_bytes", "l3_buffer_bytes"):
+        with pytest.raises(ValueError, match=name):
+            HostPrefixCache(
+                e.gpu_blocks, block_size=16, host_bytes="1MiB", l3="mooncake", l3_master="127.0.0.1:1", **{name: big}
+            )

@@ -146,14 +146,14 @@ def test_host_pool_is_pinned_lazily_off_the_loop():
 
 def test_failing_state_callback_falls_back_then_disables(caplog):
     e = engine()
-    cache = attach(e, max_errors=3)
     calls = {"n": 0}
 
     def broken(seq, pos, staging):
         calls["n"] += 1
         raise RuntimeError("state kernel failed")
 
-    cache.cache._load_state = broken
+    e.load_state = broken  # the engine callback the adapter hands to the cache
+    cache = attach(e, max_errors=3)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         out = WORK.run(e)
     assert out == WORK.run(engine()), "failed loads recompute: outputs unchanged"

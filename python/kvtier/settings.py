@@ -347,7 +347,10 @@ def check_fits(
     state_slots = settings.state_slots
     pages = page_slots * (page_bytes + BOOKKEEPING_BYTES_PER_SLOT)
     states = state_slots * (state_bytes + BOOKKEEPING_BYTES_PER_SLOT)
-    l3 = settings.l3_segment_bytes + settings.l3_buffer_bytes if settings.l3 else 0
+    l3 = 0
+    if settings.l3:  # the Store's segment and buffer, a group's scratch buffer, the seen-set at its bound
+        l3 = settings.l3_segment_bytes + settings.l3_buffer_bytes + settings.l3_group_pages * page_bytes
+        l3 += settings.l3_seen_keys * BOOKKEEPING_BYTES_PER_SLOT
     have = f"this machine has {format_bytes(memory)} ({memory} bytes) of memory"
     if pages > memory:
         raise ValueError(f"setting host_bytes={settings.host_bytes} needs {pages} bytes with its bookkeeping; {have}")
@@ -358,5 +361,6 @@ def check_fits(
         )
     if pages + states + l3 > memory:
         raise ValueError(
-            f"settings l3_segment_bytes + l3_buffer_bytes ({l3} bytes) do not fit beside the host pools; {have}"
+            f"settings l3_segment_bytes, l3_buffer_bytes, l3_group_pages and l3_seen_keys need {l3} bytes beside "
+            f"the host pools; {have}"
         )
