@@ -426,3 +426,25 @@ def test_l3_settings_that_cannot_fit_are_refused_before_anything_starts():
             HostPrefixCache(
                 e.gpu_blocks, block_size=16, host_bytes="1MiB", l3="mooncake", l3_master="127.0.0.1:1", **{name: big}
             )
+
+
+@pytest.mark.gpu
+def test_staging_that_cannot_fit_on_the_gpu_is_refused():
+    pool = torch.zeros(8, 4096, dtype=torch.uint8, device="cuda")
+    free = torch.cuda.mem_get_info()[0]
+    state_bytes = (free // 4096 + 16) // 16 * 16  # 4096 staging buffers of it exceed what the GPU has free
+
+    def callback(handle, pos, staging):
+        raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match="staging_slots=4096"):
+        HostPrefixCache(
+            pool,
+            block_size=16,
+            host_bytes="1MiB",
+            state_bytes=state_bytes,
+            state_slots=1,
+            staging_slots=4096,
+            select_state=callback,
+            load_state=callback,
+        )

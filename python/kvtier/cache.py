@@ -191,6 +191,13 @@ class HostPrefixCache:
         self._select_state, self._load_state = select_state, load_state
         # Before any allocation: the pools, their bookkeeping and the L3 buffers must fit in this machine.
         check_fits(s, page_slots=self.page_slots, page_bytes=self.page_bytes, state_bytes=self.state_bytes)
+        if state_slots and self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if s.staging_slots * self.state_bytes > free:
+                raise ValueError(
+                    f"setting staging_slots={s.staging_slots} needs {s.staging_slots * self.state_bytes} bytes of "
+                    f"GPU memory ({self.state_bytes} per state); {self.device} has {free} bytes free"
+                )
         self.index = Index(
             self.page_slots,
             state_slots=state_slots,
