@@ -108,16 +108,22 @@ def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table
     elif isinstance(table, (str, bytes)) or not isinstance(table, Sequence):
         raise TypeError(f"{what} must be a sequence of ints or an integer array, got {type(table).__name__}")
     else:
-        for i, b in enumerate(table):
-            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
-                raise TypeError(f"{what}[{i}] must be an int, got {type(b).__name__} {b!r}")
+        if set(map(type, table)) != {int}:  # the common case (plain ints) is one quick pass
+            for i, b in enumerate(table):
+                if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
+                    raise TypeError(f"{what}[{i}] must be an int, got {type(b).__name__} {b!r}")
         head = table[:needed]
     if len(head) < needed:
         raise ValueError(f"{what} has {len(table)} blocks, {needed} are needed")
-    for b in head if not isinstance(head, np.ndarray) else head[(head < 0) | (head >= num_blocks)][:1]:
-        if not 0 <= b < num_blocks:
-            raise ValueError(f"block id {int(b)} is outside the GPU pool of {num_blocks} blocks")
-    return np.asarray(head, dtype=np.int32)
+    if not isinstance(head, np.ndarray):
+        try:
+            head = np.asarray(head, dtype=np.int64)
+        except OverflowError:
+            head = [b for b in head if not 0 <= b < num_blocks][:1]  # an int beyond int64: name it below
+    bad = head[(head < 0) | (head >= num_blocks)] if isinstance(head, np.ndarray) else head
+    if len(bad):
+        raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
+    return head.astype(np.int32)
 
 
 def _check_call(request_id: Any, namespace: Any) -> None:
