@@ -454,10 +454,17 @@ class HostPrefixCache:
                 self._l3.completed(ticket)
 
     def forget(self, request_id: str) -> None:
-        """The request is gone: drop its cached chain."""
-        self.index.forget(request_id)
-        if self._l3 is not None:
-            self._l3.forget(request_id)
+        """The request is gone: drop its cached chain (call it for every request, hit or not). Runs even when the
+        cache disabled itself, so that no chain is kept."""
+        _check_call(request_id, None)
+        try:
+            self.index.forget(request_id)
+            if self._l3 is not None:
+                self._l3.forget(request_id)
+        except CALLER_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
+            self._error("forget", e)
 
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
