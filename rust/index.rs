@@ -195,9 +195,22 @@ impl Index {
             self.stats.lookups += 1;
             self.stats.lookup_tokens += tokens.len() as u64;
         }
+        Ok(self.probe(self.requests[request_id].chain.keys(), tokens.len()))
+    }
+
+    /// What a lookup of this prompt would answer now, keeping nothing: no chain, no statistics.
+    pub fn peek(&self, namespace: &[u8], tokens: &[i32]) -> Result<Lookup> {
+        check_tokens(tokens)?;
+        let mut chain = Chain::default();
+        chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens);
+        Ok(self.probe(chain.keys(), tokens.len()))
+    }
+
+    /// The hit of a prompt of `n_tokens` tokens whose chain keys are `keys`.
+    fn probe(&self, keys: &[Key], n_tokens: usize) -> Lookup {
         let bs = self.cfg.block_size;
-        let limit_pages = tokens.len().saturating_sub(self.cfg.keep_tokens) / bs;
-        let keys = &self.requests[request_id].chain.keys()[..limit_pages];
+        let limit_pages = n_tokens.saturating_sub(self.cfg.keep_tokens) / bs;
+        let keys = &keys[..limit_pages];
         let ready_pages = keys.iter().take_while(|&&k| self.pages.ready_slot(k).is_some()).count();
         let mut hit_pages = ready_pages;
         if self.has_states() {
@@ -207,7 +220,7 @@ impl Index {
         if hit_tokens < self.cfg.min_hit_tokens.max(1) {
             hit_tokens = 0;
         }
-        Ok(Lookup { hit_tokens, ready_pages, limit_pages })
+        Lookup { hit_tokens, ready_pages, limit_pages }
     }
 
     /// The engine could not allocate GPU blocks for a hit now; nothing is touched.
@@ -511,6 +524,20 @@ mod tests {
         ix.complete(early.ticket).unwrap();
         assert_eq!(ix.pages().evictable(), 4);
         ix.check().unwrap();
+    }
+
+    #[test]
+    fn peek_answers_as_lookup_and_keeps_nothing() {
+        let mut ix = index(8, 2);
+        let t: Vec<i32> = (0..17).collect();
+        let plan = ix.plan_store("a", b"", &t, 17).unwrap();
+        ix.complete(plan.ticket).unwrap();
+        let (requests, lookups) = (ix.requests(), ix.stats().lookups);
+        let peeked = ix.peek(b"", &t).unwrap();
+        assert_eq!((ix.requests(), ix.stats().lookups), (requests, lookups), "peek keeps nothing");
+        assert_eq!(peeked, ix.lookup("b", b"", &t).unwrap());
+        assert_eq!(peeked.hit_tokens, 16);
+        assert!(ix.peek(b"", &[1, -1]).is_err());
     }
 
     #[test]

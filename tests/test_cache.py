@@ -17,8 +17,16 @@ WORK = Conversations(conversations=3, turns=3, system_tokens=64, user_tokens=20,
 
 
 def engine(layout: str = "page-first", pattern: str = "FS", device: str = "cpu", **kw) -> Engine:
-    cfg = dict(num_gpu_blocks=64, num_state_slots=4, chunk_size=32, max_batch=3, layout=layout, layer_pattern=pattern,
-               device=device, ring_slack=32)  # fmt: skip
+    cfg = dict(
+        num_gpu_blocks=64,
+        num_state_slots=4,
+        chunk_size=32,
+        max_batch=3,
+        layout=layout,
+        layer_pattern=pattern,
+        device=device,
+        ring_slack=32,
+    )
     cfg.update(kw)
     return Engine(EngineConfig.preset("tiny", **cfg))
 
@@ -127,7 +135,7 @@ def test_tiny_host_pool_evicts_and_stays_exact():
 
 def test_host_pool_is_pinned_lazily_off_the_loop():
     e = engine()
-    cache = attach(e, preallocate=False, pin_chunk_bytes=256 << 10)
+    cache = attach(e, preallocate=False, pin_step_bytes=256 << 10)
     assert cache.stats_dict()["host_bytes_pinned"] == 0, "nothing is allocated before the first store"
     off = WORK.run(engine())
     assert WORK.run(e) == off
@@ -138,14 +146,14 @@ def test_host_pool_is_pinned_lazily_off_the_loop():
 
 def test_failing_state_callback_falls_back_then_disables(caplog):
     e = engine()
-    cache = attach(e, max_errors=3)
     calls = {"n": 0}
 
     def broken(seq, pos, staging):
         calls["n"] += 1
         raise RuntimeError("state kernel failed")
 
-    cache.cache._load_state = broken
+    e.load_state = broken  # the engine callback the adapter hands to the cache
+    cache = attach(e, max_errors=3)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         out = WORK.run(e)
     assert out == WORK.run(engine()), "failed loads recompute: outputs unchanged"
@@ -231,3 +239,21 @@ def test_outputs_identical_on_gpu(layout):
     s = cache.stats_dict()
     assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0
     cache.close()
+
+
+def test_stores_skipped_while_pinning_are_logged_once_and_counted(caplog):
+    e = engine(pattern="F")
+    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="2MiB", pin_step_bytes="64KiB")
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        for i in range(3):
+            c.store(f"r{i}", list(range(i * 100, i * 100 + 64)), [0, 1, 2, 3])
+    s = c.stats()
+    assert 1 <= s["store_skipped_pinning"] <= 3, "the first store of a lazily pinned pool is skipped"
+    assert s["store_skipped"] >= s["store_skipped_pinning"] and s["errors"] == 0
+    told = [r for r in caplog.records if "still being pinned" in r.message]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
+    assert c.wait_pinned(30)
+    c.store("after", list(range(64)), [0, 1, 2, 3])
+    c.poll()
+    assert c.lookup("q", list(range(64))) == 48 and c.stats()["store_skipped_pinning"] == s["store_skipped_pinning"]
+    c.close()

@@ -323,8 +323,8 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
     while hit == -1:
         # Decode steps of other requests: a poll and a short prompt's miss per step.
         timed(b.poll)
-        timed(b.resume, f"other-{steps}", prompt[:40] + 1, allocate=lambda: True, block_table=lambda: table)
-        hit = timed(b.resume, "long", prompt, allocate=lambda: True, block_table=lambda: table)
+        timed(b.resume, f"other-{steps}", prompt[:40] + 1, allocate=lambda: table)
+        hit = timed(b.resume, "long", prompt, allocate=lambda: table)
         steps += 1
         time.sleep(0.001)
     b.poll()

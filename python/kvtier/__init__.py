@@ -16,6 +16,7 @@ from kvtier._core import (
     __version__,
     build_info,
     fingerprint,
+    stat_table,
     group_key_string,
     state_key_string,
 )
@@ -33,5 +34,6 @@ __all__ = [
     "build_info",
     "fingerprint",
     "group_key_string",
+    "stat_table",
     "state_key_string",
 ]

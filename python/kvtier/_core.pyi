@@ -25,6 +25,7 @@ __all__ = [
     "build_info",
     "fingerprint",
     "group_key_string",
+    "stat_table",
     "state_key_string",
 ]
 
@@ -41,6 +42,9 @@ class CopyError(KvtierError):
 
 def build_info() -> dict[str, Any]:
     """version, cuda (kernel compiled in), cuda_runtime_version, cuda_devices (visible now), nvcc."""
+
+def stat_table() -> list[tuple[str, str, str]]:
+    """(name, kind, help) of every statistic a cache reports; kind is "counter" or "gauge"."""
 
 @final
 class Lookup:
@@ -110,6 +114,7 @@ class Index:
     def chain(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> list[int]: ...
     def keys(self, request_id: str) -> list[int]: ...
     def lookup(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
+    def peek(self, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
     def defer(self, request_id: str) -> None: ...
     def begin_load(self, request_id: str, hit_tokens: int) -> LoadPlan: ...
     def plan_store(

@@ -6,11 +6,15 @@ the engine's current CUDA stream (or with memcpy when the pools are CPU tensors)
 events that ``poll()`` retires without blocking.
 
 Engine-loop calls never wait for the GPU or for pinning memory: the host pools are reserved at the first store
-and pinned chunk by chunk on a background thread; stores use the slots pinned so far.
+and pinned in pin steps on a background thread; stores use the slots pinned so far (a store that finds none is
+skipped, logged once at INFO and counted in ``stats()["store_skipped_pinning"]``).
 
-Failure policy: bad arguments raise ``ValueError`` / ``TypeError`` before anything is copied. Any other exception
-inside a call (a failed launch, an engine callback that raised) is logged and counted, the request continues
-uncached, and after ``max_errors`` such errors the cache disables itself (``stats()["disabled"]``).
+Failure policy (docs/INTEGRATION.md): a caller's bad argument raises to the caller (``OverflowError``,
+``TypeError``, ``ValueError``, checked before anything is planned or copied) and counts nothing. Any other
+exception inside a call (a failed launch, an engine callback that raised) is kvtier's failure: it is logged and
+counted in ``stats()["errors"]``, the request continues uncached, and after ``max_errors`` of them the cache
+disables itself (``stats()["disabled"]``). A hit whose pages left the host pool before its load began is a miss
+(``stats()["stale_lookups"]``), not a failure.
 """
 
 from __future__ import annotations
@@ -18,20 +22,25 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from kvtier import Index
+from kvtier import Index, StaleLookupError
 from kvtier.copy import HostPool, PageCopier
-from kvtier.settings import CacheSettings
+from kvtier.settings import CacheSettings, check_fits
 
 log = logging.getLogger("kvtier")
 
 T = TypeVar("T")
 StateFn = Callable[[Any, int, torch.Tensor], None]
+BlockTable = Sequence[int] | np.ndarray | torch.Tensor
+# What a caller's bad argument raises: re-raised to the caller, never counted towards max_errors.
+CALLER_ERRORS = (OverflowError, TypeError, ValueError)
+SEQ_LEN_LIMIT = 2**63
 
 
 def token_array(prompt_ids: Any) -> np.ndarray:
@@ -51,8 +60,18 @@ def token_array(prompt_ids: Any) -> np.ndarray:
     return arr
 
 
+def _old_allocate(allocate: Callable[[], Any], block_table: Callable[[], BlockTable]) -> Callable[[], Any]:
+    """The deprecated resume form (``allocate() -> bool`` and a ``block_table()`` callable) as the new one."""
+
+    def new() -> Any:
+        return block_table() if allocate() else None
+
+    return new
+
+
 def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Runs an engine-loop call under the failure policy: errors are logged and counted, never raised."""
+    """Runs an engine-loop call under the failure policy: a caller's bad argument raises and counts nothing; any
+    other error is kvtier's failure, logged and counted, never raised."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
@@ -61,7 +80,7 @@ def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
                 return default
             try:
                 return fn(self, *args, **kwargs)
-            except (ValueError, TypeError, KeyError):
+            except CALLER_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
                 self._error(fn.__name__.lstrip("_"), e)
@@ -72,11 +91,63 @@ def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return wrap
 
 
+def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table") -> np.ndarray:
+    """The first ``needed`` GPU block ids of ``table`` as int32, checked as integers in ``[0, num_blocks)`` before
+    any conversion: no wrap of wide integers, no truncated floats, no bools, no numeric strings. A numpy or torch
+    integer array of any width, or a sequence of ints; ids past ``needed`` are only type-checked."""
+    if isinstance(table, torch.Tensor):
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise TypeError(f"{what} must hold integers, got a tensor of {table.dtype}")
+        table = table.detach().cpu().numpy()
+    if isinstance(table, np.ndarray):
+        if table.dtype.kind not in "iu":
+            raise TypeError(f"{what} must hold integers, got dtype {table.dtype}")
+        if table.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {table.shape}")
+        head: Any = table[:needed]
+    elif isinstance(table, (str, bytes)) or not isinstance(table, Sequence):
+        raise TypeError(f"{what} must be a sequence of ints or an integer array, got {type(table).__name__}")
+    else:
+        if set(map(type, table)) != {int}:  # the common case (plain ints) is one quick pass
+            for i, b in enumerate(table):
+                if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
+                    raise TypeError(f"{what}[{i}] must be an int, got {type(b).__name__} {b!r}")
+        head = table[:needed]
+    if len(head) < needed:
+        raise ValueError(f"{what} has {len(table)} blocks, {needed} are needed")
+    if not isinstance(head, np.ndarray):
+        try:
+            head = np.asarray(head, dtype=np.int64)
+        except OverflowError:
+            head = [b for b in head if not 0 <= b < num_blocks][:1]  # an int beyond int64: name it below
+    bad = head[(head < 0) | (head >= num_blocks)] if isinstance(head, np.ndarray) else head
+    if len(bad):
+        raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
+    return head.astype(np.int32)
+
+
+def _check_call(request_id: Any, namespace: Any) -> None:
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+    if namespace is not None and not isinstance(namespace, (str, bytes)):
+        raise TypeError(f"namespace must be str, bytes or None, got {type(namespace).__name__}")
+
+
+def _seq_len(seq_len: Any) -> int | None:
+    if seq_len is None:
+        return None
+    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__} {seq_len!r}")
+    if not 0 <= int(seq_len) < SEQ_LEN_LIMIT:
+        raise ValueError(f"seq_len must be in [0, 2**63), got {int(seq_len)}")
+    return int(seq_len)
+
+
 class HostPrefixCache:
     """A host-memory prefix cache over an engine's paged GPU KV pool.
 
     ``pages`` is the GPU pool: one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of per-layer
-    uint8 tensors ``[num_blocks, chunk_bytes]`` (layer-first). Models with per-sequence state (sliding-window
+    uint8 tensors ``[num_blocks, segment_bytes]`` (layer-first). Models with per-sequence state (sliding-window
     rings, SSM states) pass ``state_bytes`` and two engine callbacks: ``select_state(handle, pos, staging)``
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
@@ -106,12 +177,14 @@ class HostPrefixCache:
             raise ValueError(f"pages must be 2-D [num_blocks, bytes per block], got shapes {shapes}")
         self.device = layers[0].device
         self.page_bytes = sum(int(t.shape[1]) for t in layers)
-        if not isinstance(block_size, int) or block_size <= 0:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= 2**31 - 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.page_slots = s.host_bytes // max(self.page_bytes, 1)
         if self.page_slots < 1:
             raise ValueError(f"host_bytes {s.host_bytes} holds no page of {self.page_bytes} bytes")
+        if isinstance(state_bytes, bool) or not isinstance(state_bytes, (int, np.integer)) or state_bytes < 0:
+            raise ValueError(f"state_bytes must be an int >= 0, got {state_bytes!r}")
         self.state_bytes = int(state_bytes)
         state_slots = s.state_slots
         if state_slots and self.state_bytes <= 0:
@@ -122,6 +195,15 @@ class HostPrefixCache:
         if state_slots and (select_state is None or load_state is None):
             raise ValueError("state_slots > 0 needs both select_state and load_state callbacks")
         self._select_state, self._load_state = select_state, load_state
+        # Before any allocation: the pools, their bookkeeping and the L3 buffers must fit in this machine.
+        check_fits(s, page_slots=self.page_slots, page_bytes=self.page_bytes, state_bytes=self.state_bytes)
+        if state_slots and self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if s.staging_slots * self.state_bytes > free:
+                raise ValueError(
+                    f"setting staging_slots={s.staging_slots} needs {s.staging_slots * self.state_bytes} bytes of "
+                    f"GPU memory ({self.state_bytes} per state); {self.device} has {free} bytes free"
+                )
         self.index = Index(
             self.page_slots,
             state_slots=state_slots,
@@ -138,16 +220,18 @@ class HostPrefixCache:
         self.disabled = False
         self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
         self.errors = 0
+        self._counts = {"store_skipped_pinning": 0, "stale_lookups": 0, "bad_arguments": 0}
+        self._told_pinning = False
         self._lock = threading.Lock()
         # The host pools are address space only until they grow (at the first store, or now with preallocate);
         # building the copiers here checks the GPU pool (dtype, shapes, alignment) before anything is stored.
-        self._host_pages = HostPool(self.page_slots, self.page_bytes, chunk_bytes=s.pin_chunk_bytes)
+        self._host_pages = HostPool(self.page_slots, self.page_bytes, chunk_bytes=s.pin_step_bytes)
         self._copy_pages = PageCopier(pages, self._host_pages)
         self._host_states: HostPool | None = None
         self._copy_states: PageCopier | None = None
         self._staging: torch.Tensor | None = None
         if state_slots:
-            self._host_states = HostPool(state_slots, self.state_bytes, chunk_bytes=s.pin_chunk_bytes)
+            self._host_states = HostPool(state_slots, self.state_bytes, chunk_bytes=s.pin_step_bytes)
             self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
             self._copy_states = PageCopier(self._staging, self._host_states)
         self._completions = self._copy_pages.completion_queue()
@@ -171,7 +255,7 @@ class HostPrefixCache:
     # Host memory
 
     def _grow_all(self) -> None:
-        """Pins the host pools chunk by chunk, making each chunk's slots usable as soon as it is pinned."""
+        """Pins the host pools in pin steps, making each step's slots usable as soon as it is pinned."""
         pools = [p for p in (self._host_pages, self._host_states) if p is not None]
         try:
             for pool in pools:
@@ -203,33 +287,50 @@ class HostPrefixCache:
         return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
     def lookup(self, request_id: str, prompt_ids: Any, *, namespace: str | bytes | None = None) -> int:
-        """Tokens a resume of this prompt would restore now (0: miss). Touches nothing."""
-        if self.disabled or self.closed:
-            return 0
-        return self.index.lookup(request_id, token_array(prompt_ids), namespace=namespace).hit_tokens
+        """Tokens a resume of this prompt would restore now (0: miss). A pure query: it keeps nothing (no chain,
+        no statistics; ``request_id`` is only checked), so it may be called for any number of prompts."""
+        _check_call(request_id, namespace)
+        return self._lookup(token_array(prompt_ids), namespace)
+
+    @_guarded(0)
+    def _lookup(self, tokens: np.ndarray, namespace: str | bytes | None) -> int:
+        return self.index.peek(tokens, namespace=namespace).hit_tokens
 
     def resume(
         self,
         request_id: str,
         prompt_ids: Any,
         *,
-        allocate: Callable[[], bool],
-        block_table: Callable[[], Sequence[int]],
+        allocate: Callable[[], BlockTable | None],
         state: Any = None,
         namespace: str | bytes | None = None,
+        block_table: Callable[[], BlockTable] | None = None,
     ) -> int:
         """Looks the prompt up and, on a hit, fills the sequence's first blocks (and state) from the host.
 
-        ``allocate()`` allocates the sequence's GPU blocks now (False: not now; RuntimeError: never) and
-        ``block_table()`` then gives its block ids. Returns the cached tokens, 0 for a miss (or a failure: the
-        sequence is then recomputed from scratch, even if it was allocated), or -1 when ``allocate()`` said not now
-        (retry later; nothing was touched).
+        ``allocate()`` is called only on a hit: it allocates the sequence's GPU blocks now and returns its block
+        table (GPU block ids, the same value ``store`` takes), or None for "not now"; a RuntimeError means
+        "never". Returns the cached tokens, 0 for a miss (or a failure: the sequence is then recomputed from
+        scratch, even if it was allocated), or -1 when the sequence should retry later (``allocate()`` said not
+        now, or an L3 fetch for it is running; nothing of the sequence was touched).
+
+        ``block_table=`` (a callable, with ``allocate()`` returning a bool) is the old form: deprecated.
         """
+        _check_call(request_id, namespace)
+        if not callable(allocate):
+            raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
+        if block_table is not None:
+            warnings.warn(
+                "resume(block_table=...) is deprecated: let allocate() return the block table (or None for not now)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            allocate = _old_allocate(allocate, block_table)
         tokens = token_array(prompt_ids)
-        return self._resume(request_id, tokens, allocate, block_table, state, namespace)
+        return self._resume(request_id, tokens, allocate, state, namespace)
 
     @_guarded(0)
-    def _resume(self, request_id, tokens, allocate, block_table, state, namespace) -> int:  # type: ignore[no-untyped-def]
+    def _resume(self, request_id, tokens, allocate, state, namespace) -> int:  # type: ignore[no-untyped-def]
         # L3: a request whose fetch runs retries later; a host miss starts the request's one fetch (no GPU blocks).
         if self._l3 is not None and self._l3.waiting(request_id):
             return -1
@@ -242,19 +343,26 @@ class HostPrefixCache:
         if hit == 0:
             return 0
         try:
-            if not allocate():
-                self.index.defer(request_id)
-                return -1
+            table = allocate()
         except RuntimeError:
             return 0  # can never fit: let the scheduler reject the request
-        plan = self.index.begin_load(request_id, hit)
+        if table is None:
+            self.index.defer(request_id)
+            return -1
+        if isinstance(table, (bool, np.bool_)):
+            raise TypeError(
+                "allocate() must return the block table or None, got a bool (the old form passes block_table= as well)"
+            )
+        n = hit // self.block_size
+        ids = block_ids(table, n, self._copy_pages.num_blocks, "allocate()'s block table")
         try:
-            n = hit // self.block_size
-            table = np.asarray(block_table(), dtype=np.int32)
-            if table.ndim != 1 or len(table) < n:
-                raise ValueError(f"block_table has {table.size} blocks, a hit of {hit} tokens needs {n}")
+            plan = self.index.begin_load(request_id, hit)
+        except StaleLookupError:
+            self._count("stale_lookups")  # an L3 fetch evicted the pages since the lookup: a miss
+            return 0
+        try:
             stream = self._stream()
-            self._copy_pages.to_gpu(plan.page_slots, table[:n], stream)
+            self._copy_pages.to_gpu(plan.page_slots, ids, stream)
             if plan.state_slot is not None:
                 assert self._copy_states is not None and self._staging is not None and self._load_state
                 self._copy_states.to_gpu(np.array([plan.state_slot], np.int32), np.zeros(1, np.int32), stream)
@@ -269,35 +377,32 @@ class HostPrefixCache:
         self,
         request_id: str,
         prompt_ids: Any,
-        block_table: Sequence[int] | np.ndarray,
+        block_table: BlockTable,
         *,
         seq_len: int | None = None,
         state: Any = None,
         namespace: str | bytes | None = None,
     ) -> None:
-        """Write-through store of a prompt whose prefill has run: its full blocks (GPU blocks ``block_table``)
-        and, for models with state, the states at the last few block boundaries still in the ring
-        (``seq_len``: the sequence's length now)."""
+        """Write-through store of a prompt whose prefill has run: its full blocks (GPU blocks ``block_table``,
+        a sequence of ints or an integer array; ids past the prompt's full blocks are not read) and, for models
+        with state, the states at the last few block boundaries still in the ring (``seq_len``: the sequence's
+        length now, default the prompt's). Copies are enqueued on the current stream; ``poll()`` makes them
+        hits once they finished."""
+        _check_call(request_id, namespace)
         tokens = token_array(prompt_ids)
-        table = np.asarray(block_table, dtype=np.int32)
-        self._check_blocks(table[: len(tokens) // self.block_size])
-        self._store(request_id, tokens, table, seq_len, state, namespace)
-
-    def _check_blocks(self, table: np.ndarray) -> None:
-        """GPU block ids must be inside the pool: checked before anything is planned or copied."""
-        if table.ndim != 1:
-            return  # the index names the shape
-        num_blocks = self._copy_pages.num_blocks
-        bad = table[(table < 0) | (table >= num_blocks)]
-        if bad.size:
-            raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
+        table = block_ids(block_table, len(tokens) // self.block_size, self._copy_pages.num_blocks)
+        self._store(request_id, tokens, table, _seq_len(seq_len), state, namespace)
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]
-        self._start_growing()
+        pinning = any(p.usable_slots < p.slots for p in (self._host_pages, self._host_states) if p is not None)
+        skipped = self.index.stats()["store_skipped"] if pinning else 0
         plan = self.index.plan_store(request_id, tokens, seq_len=seq_len, namespace=namespace, block_table=table)
+        self._start_growing()  # after planning: the first store of a lazily pinned pool is always skipped
         if len(plan.page_slots) == 0 and len(plan.state_slots) == 0:
             self.index.complete(plan.ticket)  # nothing to copy: present entries were only touched
+            if pinning and self.index.stats()["store_skipped"] > skipped:
+                self._skipped_while_pinning()
             return
         if self._l3 is not None:  # L3: put what this ticket stores once its copies complete
             self._l3.note_store(plan.ticket, self.index.keys(request_id), plan.state_boundaries)
@@ -323,6 +428,23 @@ class HostPrefixCache:
                 self._l3.dropped(plan.ticket)
             raise
 
+    def _skipped_while_pinning(self) -> None:
+        self._count("store_skipped_pinning")
+        if not self._told_pinning:
+            self._told_pinning = True
+            pinned = self._usable(self._host_pages) * self.page_bytes >> 20
+            log.info(
+                "kvtier: a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
+                "stores use each pin step as it completes (preallocate=True pins at construction, "
+                "wait_pinned() waits for it)",
+                pinned,
+                self.page_slots * self.page_bytes >> 20,
+            )
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
     @_guarded(None)
     def poll(self) -> None:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
@@ -332,10 +454,17 @@ class HostPrefixCache:
                 self._l3.completed(ticket)
 
     def forget(self, request_id: str) -> None:
-        """The request is gone: drop its cached chain."""
-        self.index.forget(request_id)
-        if self._l3 is not None:
-            self._l3.forget(request_id)
+        """The request is gone: drop its cached chain (call it for every request, hit or not). Runs even when the
+        cache disabled itself, so that no chain is kept."""
+        _check_call(request_id, None)
+        try:
+            self.index.forget(request_id)
+            if self._l3 is not None:
+                self._l3.forget(request_id)
+        except CALLER_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
+            self._error("forget", e)
 
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
@@ -345,10 +474,12 @@ class HostPrefixCache:
         out["state_bytes"] = self.state_bytes
         out["bytes_to_host"] = out["pages_stored"] * self.page_bytes + out["states_stored"] * self.state_bytes
         out["bytes_to_gpu"] = out["pages_loaded"] * self.page_bytes + out["states_loaded"] * self.state_bytes
-        out["host_bytes_pinned"] = self._usable(self._host_pages) * self.page_bytes + self._usable(
-            self._host_states
-        ) * self.state_bytes
+        out["host_bytes_pinned"] = (
+            self._usable(self._host_pages) * self.page_bytes + self._usable(self._host_states) * self.state_bytes
+        )
         out["copies_in_flight"] = self._completions.pending()
+        with self._lock:
+            out.update(self._counts)
         if self._l3 is not None:
             out.update(self._l3.stats())
         return out
@@ -370,6 +501,18 @@ class HostPrefixCache:
         for pool in (self._host_pages, self._host_states):
             if pool is not None:
                 pool.close()
+
+    def report_error(self, where: str, e: BaseException) -> None:
+        """For adapters that must not raise into their engine: ``e`` was raised by a call at ``where``. A caller's
+        bad argument (``OverflowError``, ``TypeError``, ``ValueError``) is logged and counted in
+        ``bad_arguments``, never towards ``max_errors``; anything else is kvtier's failure (``errors``)."""
+        if isinstance(e, CALLER_ERRORS):
+            self._count("bad_arguments")
+            log.warning(
+                "kvtier: %s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
+            )
+        else:
+            self._error(where, e)
 
     def _error(self, where: str, e: BaseException) -> None:
         with self._lock:

@@ -1,11 +1,19 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,l3}`, `kvtier info`."""
+"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,l3,pin}`, `kvtier soak`, `kvtier info`.
+
+Also the argument parsing every subcommand shares: `parser()` shows each option's default in `--help` and ends a
+bad option in one line and exit status 2; `at_least`, `at_most` and `between` check numbers before any work runs.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 COMMANDS = {
     "demo": "kvtier.demo",
@@ -16,18 +24,177 @@ COMMANDS = {
     "soak": "kvtier.soak",
 }
 
-USAGE = """usage: kvtier <command> [options]
+BENCHMARKS = {
+    "index": "the Rust index against plain-Python bookkeeping on one trace",
+    "copy": "the page-copy kernel against contiguous memcpy (needs CUDA)",
+    "l3": "the L3 tier against raw Mooncake Store calls",
+    "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
+}
+BENCH_USAGE = (
+    "usage: kvtier bench <benchmark> [options]\n\nbenchmarks:\n"
+    + "".join(f"  {name:<13}{text}\n" for name, text in BENCHMARKS.items())
+    + "\n`kvtier bench <benchmark> --help` for its options and their defaults."
+)
+USAGE = (
+    "usage: kvtier <command> [options]\n\ncommands:\n"
+    "  demo           multi-turn conversations through the reference engine, cache off vs on\n"
+    + "".join(f"  bench {name:<9}{text}\n" for name, text in BENCHMARKS.items())
+    + "  soak           randomized fault and load driver: cache on must equal cache off\n"
+    "  info           what this build has (CUDA kernel, runtime, devices) and the settings the environment gives\n"
+    "\n`kvtier <command> --help` for its options and their defaults."
+)
 
-commands:
-  demo           multi-turn conversations through the reference engine, cache off vs on
-  bench index    the Rust index against plain-Python bookkeeping on one trace
-  bench copy     the page-copy kernel against contiguous memcpy (needs CUDA)
-  bench l3       the L3 tier against raw Mooncake Store calls
-  bench pin      pin a large host pool while the engine serves; time every cache call
-  soak           randomized fault and load driver: cache on must equal cache off
-  info           what this build has (CUDA compiled in, devices visible)
+L3_EXTRA = 'pip install "kvtier[l3]"'
 
-`kvtier <command> --help` for its options."""
+
+# ---- argument parsing shared by the subcommands ---------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose `--help` shows every default and whose errors are one line (exit status 2)."""
+
+    def __init__(self, prog: str, description: str | None = None, **kw: Any) -> None:
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(prog=prog, description=description, **kw)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` for the options)\n")
+
+
+def parser(prog: str, description: str | None = None) -> Parser:
+    return Parser(prog, description)
+
+
+def _number(kind: Callable[[str], Any], text: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def between(low: float | None, high: float | None, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """An argparse ``type``: a number of ``kind`` in ``[low, high]`` (None: unbounded on that side)."""
+
+    def check(text: str) -> Any:
+        value = _number(kind, text)
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+        return value
+
+    check.__name__ = kind.__name__
+    return check
+
+
+def at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    return between(low, None, kind)
+
+
+def at_most(high: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    return between(None, high, kind)
+
+
+def positive(kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
+    """An argparse ``type``: a number > 0."""
+
+    def check(text: str) -> Any:
+        value = _number(kind, text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    check.__name__ = kind.__name__
+    return check
+
+
+# ---- kvtier info --------------------------------------------------------------------------------------------------
+
+
+def _runtime(version: Any) -> str | None:
+    """13000 -> '13.0' (the CUDA runtime's integer version)."""
+    if isinstance(version, int) and version > 0:
+        return f"{version // 1000}.{version % 1000 // 10}"
+    return None if version is None else str(version)
+
+
+def info() -> dict[str, Any]:
+    """What `kvtier info` reports: the build, the devices visible, the optional parts and the settings."""
+    from kvtier import build_info
+    from kvtier.settings import CacheSettings
+
+    b = dict(build_info())
+    out: dict[str, Any] = {
+        "version": b["version"],
+        "cuda_kernel": bool(b["cuda"]),
+        "cuda_runtime": _runtime(b.get("cuda_runtime_version")),
+        "nvcc": b.get("nvcc"),
+        "cuda_devices": b.get("cuda_devices", 0),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "devices": [],
+    }
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        out["torch"] = None
+    try:
+        importlib.import_module("mooncake.store")
+        out["mooncake"] = True
+    except ImportError:
+        out["mooncake"] = False
+    try:
+        s = CacheSettings.resolve()
+        out["settings"] = [{"name": n, "value": v, "source": src, "variable": var} for n, v, src, var in s.explain()]
+    except ValueError as e:
+        out["settings_error"] = str(e)
+    return out
+
+
+def print_info(r: dict[str, Any]) -> None:
+    print(f"kvtier {r['version']}")
+    if r["cuda_kernel"]:
+        print(f"CUDA copy kernel: compiled in (CUDA runtime {r['cuda_runtime'] or 'unknown'}, nvcc {r['nvcc']})")
+    else:
+        print(
+            "CUDA copy kernel: NOT compiled in (built without nvcc): a cache over a CUDA pool raises CopyError "
+            "at construction; CPU pools work (memcpy)"
+        )
+    visible = r["cuda_visible_devices"]
+    print(f"CUDA devices visible: {r['cuda_devices']}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""))
+    for i, name in enumerate(r["devices"]):
+        print(f"  cuda:{i}  {name}")
+    print(f"torch: {r['torch'] or 'not installed'}")
+    print(f"mooncake (L3 tier): {'importable' if r['mooncake'] else f'not installed ({L3_EXTRA})'}")
+    if "settings_error" in r:
+        print(f"settings: {r['settings_error']}")
+        return
+    print("settings (an argument wins over its KVTIER_* variable, the variable over the default):")
+    width = max(len(s["name"]) for s in r["settings"])
+    vwidth = max(len(str(s["value"])) for s in r["settings"])
+    for s in r["settings"]:
+        print(f"  {s['name']:<{width}}  {s['value']:<{vwidth}}  {s['source']:<7}  {s['variable']}")
+
+
+def main_info(argv: Sequence[str]) -> int:
+    ap = parser("kvtier info", "What this build has and the settings the environment gives.")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    r = info()
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print_info(r)
+    return 1 if "settings_error" in r else 0
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,16 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0
     if args[0] == "info":
-        from kvtier import build_info
-
-        print(json.dumps(build_info(), indent=2))
+        return main_info(args[1:])
+    if args[0] == "bench" and (len(args) == 1 or args[1] in ("-h", "--help")):
+        print(BENCH_USAGE)
         return 0
     for n in (2, 1):
         name = " ".join(args[:n])
         if name in COMMANDS:
             module = importlib.import_module(COMMANDS[name])
             return int(module.main(args[n:]) or 0)
-    print(f"kvtier: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    what = " ".join(args[:2]) if args[0] == "bench" else args[0]
+    print(f"kvtier: unknown command {what!r}\n\n{BENCH_USAGE if args[0] == 'bench' else USAGE}", file=sys.stderr)
     return 2
 
 

@@ -11,8 +11,9 @@ model has state, with ``engine.select_state`` / ``engine.load_state`` and ``engi
 ``engine.scheduler.try_allocate_seq(seq)``; and on a sequence ``block_table``, ``request_id``,
 ``chunked_rest_len``, ``get_len()``, ``data.get_token_ids()``, ``num_cached_tokens``, ``cached_hit_tokens``.
 
-Every call catches its own exceptions (bad arguments included): they are logged and counted, the request
-continues uncached, and after ``max_errors`` errors the cache disables itself.
+Every call catches its own exceptions (bad arguments included) and never raises into the engine: a bad argument
+is logged and counted in ``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after
+``max_errors`` of them the cache disables itself. The request continues uncached either way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.cache import HostPrefixCache
+
 
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
@@ -55,15 +57,14 @@ class Cache:
             hit = self.cache.resume(
                 request_id,
                 prompt_ids,
-                allocate=lambda: self.engine.scheduler.try_allocate_seq(seq),
-                block_table=lambda: seq.block_table,
+                allocate=lambda: seq.block_table if self.engine.scheduler.try_allocate_seq(seq) else None,
                 state=seq,
             )
             if hit > 0:
                 seq.num_cached_tokens = seq.cached_hit_tokens = hit
             return hit
         except Exception as e:  # noqa: BLE001 - no cache problem reaches the engine
-            self.cache._error("try_resume", e)
+            self.cache.report_error("try_resume", e)
             return 0
 
     def on_prefill_step(self, scheduled: Any, finished: Any) -> None:
@@ -78,7 +79,7 @@ class Cache:
                     prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
                 self.cache.store(seq.request_id, prompt, seq.block_table, seq_len=seq.get_len(), state=seq)
             except Exception as e:  # noqa: BLE001
-                self.cache._error("on_prefill_step", e)
+                self.cache.report_error("on_prefill_step", e)
 
     def poll(self) -> None:
         self.cache.poll()
@@ -88,7 +89,7 @@ class Cache:
         try:
             self.cache.forget(request_id)
         except Exception as e:  # noqa: BLE001
-            self.cache._error("forget", e)
+            self.cache.report_error("forget", e)
 
     def stats_dict(self) -> dict[str, Any]:
         return self.cache.stats()

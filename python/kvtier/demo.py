@@ -9,6 +9,7 @@ identical tokens; the table shows what the cache saved.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -52,31 +53,21 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress, l3_master:
     import torch
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine import Engine
     from kvtier.workload import Conversations
 
     torch.manual_seed(args.seed)
-    cfg = EngineConfig.preset(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        layout=args.layout,
-        block_size=args.block_size,
-        num_gpu_blocks=args.gpu_blocks,
-        max_batch=args.max_batch,
-        chunk_size=args.chunk_size,
-        seed=args.seed,
-    )
-    engine = Engine(cfg)
+    engine = Engine(engine_config(args))
     cache = None
     if cache_on:
-        l3 = {"l3": "mooncake", "l3_master": l3_master} if l3_master else {}
+        l3: dict[str, Any] = {"l3": "mooncake", "l3_master": l3_master} if l3_master else {}
         cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True, **l3)
         engine.cache = cache
         if l3_master and not cache.cache._l3.wait_connected(20):
             raise RuntimeError(f"no Mooncake master at {l3_master}")
-    work = Conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
-                         args.answer_tokens, args.seed)  # fmt: skip
+    work = Conversations(
+        args.conversations, args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.seed
+    )
     res = RunResult()
     t0 = time.perf_counter()
     label = "on" if cache_on else "off"
@@ -146,7 +137,11 @@ def print_table(r: dict[str, Any]) -> None:
         ("token hit rate", "-", f"{r['hit_rate']:.1%}"),
         ("TTFT p50 (ms)", f"{r['ttft_p50_off_ms']:.1f}", f"{r['ttft_p50_on_ms']:.1f}"),
         ("TTFT p99 (ms)", f"{r['ttft_p99_off_ms']:.1f}", f"{r['ttft_p99_on_ms']:.1f}"),
-        ("TTFT p50, turns 2+ (ms)", f"{r['ttft_p50_later_turns_off_ms']:.1f}", f"{r['ttft_p50_later_turns_on_ms']:.1f}"),
+        (
+            "TTFT p50, turns 2+ (ms)",
+            f"{r['ttft_p50_later_turns_off_ms']:.1f}",
+            f"{r['ttft_p50_later_turns_on_ms']:.1f}",
+        ),
         ("wall time (s)", f"{r['seconds_off']:.1f}", f"{r['seconds_on']:.1f}"),
         ("pages / states GPU->host", "-", f"{r['pages_to_host']} / {r['states_to_host']}"),
         ("pages / states host->GPU", "-", f"{r['pages_to_gpu']} / {r['states_to_gpu']}"),
@@ -158,9 +153,10 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"\n{'':<34} {'cache off':>12} {'cache on':>18}")
     for name, a, b in rows:
         print(f"{name:<34} {a:>12} {b:>18}")
-    print("\nper turn, median TTFT (ms):  " + "  ".join(
-        f"t{t + 1}: {a:.0f} -> {b:.0f}" for t, (a, b) in enumerate(zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"]))
-    ))  # fmt: skip
+    turns = zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"], strict=True)
+    print(
+        "\nper turn, median TTFT (ms):  " + "  ".join(f"t{t + 1}: {a:.0f} -> {b:.0f}" for t, (a, b) in enumerate(turns))
+    )
     verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
     print(f"generated tokens with the cache on vs off: {verdict}")
 
@@ -186,33 +182,91 @@ def plot(r: dict[str, Any], path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.splitlines()[0])
+    from kvtier.cli import at_least
+    from kvtier.cli import parser as make_parser
+
+    ap = make_parser("kvtier demo", __doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset: tiny, small, medium, large")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"])
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--user-tokens", type=int, default=64)
-    ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--gpu-blocks", type=int, default=200, help="GPU KV pool, in blocks (small: it evicts)")
-    ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--host-mib", type=int, default=256, help="host pool size")
-    ap.add_argument("--state-slots", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"], help="GPU pool layout")
+    ap.add_argument("--conversations", type=at_least(1), default=8, help="conversations, interleaved")
+    ap.add_argument("--turns", type=at_least(1), default=6, help="turns of each conversation")
+    ap.add_argument("--system-tokens", type=at_least(1), default=512, help="shared system prompt")
+    ap.add_argument("--user-tokens", type=at_least(1), default=64, help="new user message of each turn")
+    ap.add_argument("--answer-tokens", type=at_least(1), default=16, help="tokens generated per turn")
+    ap.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
+    ap.add_argument("--chunk-size", type=at_least(1), default=64, help="prefill chunk, in tokens")
+    ap.add_argument("--gpu-blocks", type=at_least(1), default=200, help="GPU KV pool, in blocks (small: it evicts)")
+    ap.add_argument("--max-batch", type=at_least(1), default=4, help="sequences running at once")
+    ap.add_argument("--host-mib", type=at_least(1), default=256, help="host pool size, in MiB")
+    ap.add_argument("--state-slots", type=at_least(0), default=256, help="host state slots (models with state)")
+    ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and the conversations")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--plot", metavar="FILE.png", help="draw time to first token per turn, cache off vs on")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    ap.add_argument("--l3", choices=["local"], help="local: start a Mooncake master and holder on loopback; two "
-                    "engine instances with separate host pools share prefixes through it")  # fmt: skip
+    ap.add_argument(
+        "--l3",
+        choices=["local"],
+        help="local: start a Mooncake master and holder on loopback; two "
+        "engine instances with separate host pools share prefixes through it",
+    )
     return ap
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    from kvtier.engine import EngineConfig
+
+    return EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        layout=args.layout,
+        block_size=args.block_size,
+        num_gpu_blocks=args.gpu_blocks,
+        max_batch=args.max_batch,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+    )
+
+
+def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Everything that would fail later, checked before the baseline runs (one line, exit status 2)."""
+    from kvtier.cli import L3_EXTRA
+    from kvtier.settings import CacheSettings, check_fits
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error('--plot needs matplotlib: pip install "kvtier[demo]"')
+    if args.l3 == "local":
+        try:
+            importlib.import_module("mooncake.store")
+        except ImportError as e:
+            ap.error(f"--l3 local needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
+    try:
+        cfg = engine_config(args)
+        settings = CacheSettings(host_bytes=args.host_mib << 20, state_slots=args.state_slots)
+        has_state = cfg.num_sliding_layers > 0 and cfg.state_bytes > 0
+        if args.host_mib << 20 < cfg.page_bytes:
+            raise ValueError(f"--host-mib {args.host_mib} holds no page of {cfg.page_bytes} bytes")
+        if has_state and args.state_slots == 0:
+            raise ValueError(f"--state-slots must be > 0 for the {args.model} model, which has state")
+        check_fits(
+            settings,
+            page_slots=(args.host_mib << 20) // cfg.page_bytes,
+            page_bytes=cfg.page_bytes,
+            state_bytes=cfg.state_bytes if has_state else 0,
+        )
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    check(ap, args)
     if args.l3 == "local":
         return main_l3(args)
     progress = Progress(2 * args.turns, args.quiet or args.json)
@@ -240,9 +294,21 @@ def main_l3(args: argparse.Namespace) -> int:
     with LocalMooncake(segment_bytes=1 << 30, lease_ttl_ms=200) as server:
         a = run(args, True, progress, l3_master=server.master_addr)
         b = run(args, True, progress, l3_master=server.master_addr)
-    keys = ("l3_puts_submitted", "l3_bytes_put", "l3_lookups", "l3_hits", "l3_pages_loaded", "l3_states_loaded",
-            "l3_bytes_loaded", "l3_gets_failed", "l3_get_seconds", "l3_deadline_passed", "l3_errors", "hits",
-            "token_hit_rate")  # fmt: skip
+    keys = (
+        "l3_puts_submitted",
+        "l3_bytes_put",
+        "l3_lookups",
+        "l3_hits",
+        "l3_pages_loaded",
+        "l3_states_loaded",
+        "l3_bytes_loaded",
+        "l3_gets_failed",
+        "l3_get_seconds",
+        "l3_deadline_passed",
+        "l3_errors",
+        "hits",
+        "token_hit_rate",
+    )
     r: dict[str, Any] = {
         "identical": off.outputs == a.outputs == b.outputs,
         "prefill_tokens_off": off.prefill_tokens,
@@ -258,10 +324,14 @@ def main_l3(args: argparse.Namespace) -> int:
         print(json.dumps(r))
     else:
         print(f"\n{'':<34} {'cache off':>12} {'instance A':>12} {'instance B':>12}")
-        print(f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>12} {r['prefill_tokens_a']:>12} "
-              f"{r['prefill_tokens_b']:>12}")  # fmt: skip
-        print(f"{'TTFT p50 (ms)':<34} {r['ttft_p50_off_ms']:>12.1f} {r['ttft_p50_a_ms']:>12.1f} "
-              f"{r['ttft_p50_b_ms']:>12.1f}")  # fmt: skip
+        print(
+            f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>12} {r['prefill_tokens_a']:>12} "
+            f"{r['prefill_tokens_b']:>12}"
+        )
+        print(
+            f"{'TTFT p50 (ms)':<34} {r['ttft_p50_off_ms']:>12.1f} {r['ttft_p50_a_ms']:>12.1f} "
+            f"{r['ttft_p50_b_ms']:>12.1f}"
+        )
         for k in keys:
             fmt = (lambda v: f"{v:.3f}") if isinstance(a.stats.get(k, 0), float) else str
             print(f"{k:<34} {'-':>12} {fmt(r['a'][k]):>12} {fmt(r['b'][k]):>12}")

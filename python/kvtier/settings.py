@@ -1,129 +1,366 @@
-"""Cache settings from constructor arguments or ``KVTIER_*`` environment variables.
+"""Cache settings: one registry (``REGISTRY``) from which the constructor arguments, the ``KVTIER_*`` variables,
+the README's table and ``kvtier info`` are made.
 
-An explicit argument wins over the environment, the environment over the default. A bad value raises
-``ValueError`` naming the setting (and the variable it came from) at construction, never later.
+A setting's value comes from an argument (``None`` means "not given"), else from its environment variable (an
+empty variable counts as unset), else from its default. Arguments accept what the variables accept (``"64GiB"``,
+``"true"``, ``"16"``) as well as plain Python values. Any bad value raises ``ValueError`` naming the setting (and the
+variable it came from) at construction, never later. Adding a setting is one line in ``REGISTRY``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
-from collections.abc import Mapping
+import re
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 
-def _parse_bytes(text: str) -> int:
-    """``123``, ``64MiB``, ``1.5GiB``, ``2GB``..."""
-    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
-    s = text.strip().lower().replace("_", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num) :].strip()
-    if unit not in units or not num:
-        raise ValueError(f"not a size in bytes: {text!r}")
-    return int(float(num) * units[unit])
+INT32_MAX = 2**31 - 1
 
+# Kinds of value.
+BYTES, INT, FLOAT, BOOL, TEXT, SECRET = "bytes", "int", "float", "bool", "text", "secret"
 
-def _parse_bool(text: str) -> bool:
-    s = text.strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$")
+_INT = re.compile(r"^\s*[+-]?[0-9][0-9_]*\s*$")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class Setting:
-    env: str
-    parse: Any
-    minimum: int | None = None
+    """One setting: its name (the constructor argument), kind, default, meaning, bounds and variable."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    shown: str | None = None  # the default as the README and `kvtier info` show it
+    env: str | None = None  # default: KVTIER_<NAME>
+    old_names: tuple[str, ...] = ()  # deprecated names of the argument and variable
+
+    @property
+    def variable(self) -> str:
+        return self.env or f"KVTIER_{self.name.upper()}"
+
+    @property
+    def default_text(self) -> str:
+        if self.shown is not None:
+            return self.shown
+        if self.default is None:
+            return "unset"
+        if self.kind == BYTES:
+            return format_bytes(self.default)
+        if self.kind == BOOL:
+            return str(self.default).lower()
+        return str(self.default)
+
+    def parse(self, value: Any) -> Any:
+        """The value as this setting holds it; ``ValueError`` (without the setting's name) when it is bad."""
+        if self.kind == TEXT or self.kind == SECRET:
+            ok = (str, bytes) if self.kind == SECRET else (str,)
+            if not isinstance(value, ok):
+                raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
+            if self.choices and value not in self.choices:
+                raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
+            return value
+        if self.kind == BOOL:
+            if isinstance(value, (bool, np.bool_)):
+                return bool(value)
+            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ValueError(f"must be a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
+        number = self._number(value)
+        if self.minimum is not None and number < self.minimum:
+            raise ValueError(f"must be >= {_num(self.minimum)}, got {_num(number)}")
+        if self.maximum is not None and number > self.maximum:
+            raise ValueError(f"must be <= {_num(self.maximum)}, got {_num(number)}")
+        return number
+
+    def _number(self, value: Any) -> int | float:
+        if isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"must be a number, got {value!r}")
+        if self.kind == FLOAT:
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise ValueError(f"not a number: {value!r}") from None
+            if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+                raise ValueError(f"must be a finite number, got {value!r}")
+            return float(value)
+        if isinstance(value, (int, np.integer)):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            if self.kind == BYTES:
+                return parse_bytes(value)
+            if _INT.match(value):
+                return int(value)
+        what = "a size in bytes (an int or text such as '64GiB')" if self.kind == BYTES else "an integer"
+        raise ValueError(f"must be {what}, got {value!r}")
 
 
-# name -> (environment variable, parser, minimum)
-SETTINGS: Mapping[str, Setting] = {
-    "host_bytes": Setting("KVTIER_HOST_BYTES", _parse_bytes, 0),
-    "state_slots": Setting("KVTIER_STATE_SLOTS", int, 0),
-    "keep_tokens": Setting("KVTIER_KEEP_TOKENS", int, 1),
-    "min_hit_tokens": Setting("KVTIER_MIN_HIT_TOKENS", int, 0),
-    "state_lookback_blocks": Setting("KVTIER_STATE_LOOKBACK", int, 0),
-    "ring_slack": Setting("KVTIER_RING_SLACK", int, 0),
-    "hash_kind": Setting("KVTIER_HASH_KIND", str),
-    "hash_key": Setting("KVTIER_HASH_KEY", str),
-    "staging_slots": Setting("KVTIER_STAGING_SLOTS", int, 1),
-    "pin_chunk_bytes": Setting("KVTIER_PIN_CHUNK_BYTES", _parse_bytes, 1),
-    "preallocate": Setting("KVTIER_PREALLOCATE", _parse_bool),
-    "max_errors": Setting("KVTIER_MAX_ERRORS", int, 1),
-    "l3": Setting("KVTIER_L3", str),
-    "l3_master": Setting("KVTIER_L3_MASTER", str),
-    "l3_metadata_server": Setting("KVTIER_L3_METADATA_SERVER", str),
-    "l3_protocol": Setting("KVTIER_L3_PROTOCOL", str),
-    "l3_segment_bytes": Setting("KVTIER_L3_SEGMENT_BYTES", _parse_bytes, 0),
-    "l3_buffer_bytes": Setting("KVTIER_L3_BUFFER_BYTES", _parse_bytes, 0),
-    "l3_group_pages": Setting("KVTIER_L3_GROUP_PAGES", int, 1),
-    "l3_deadline_ms": Setting("KVTIER_L3_DEADLINE_MS", float, 0),
-    "l3_seen_keys": Setting("KVTIER_L3_SEEN_KEYS", int, 1),
-}
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
-@dataclass(frozen=True)
+def parse_bytes(text: str) -> int:
+    """``123``, ``64MiB``, ``1.5GiB``, ``2GB``, ``16m`` (no exponents, no negative sizes)."""
+    m = _SIZE.match(text.lower())
+    if m is None or m.group(2) not in _UNITS:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4096, 512MiB, 64GiB)")
+    return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2)])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+S = Setting
+REGISTRY: tuple[Setting, ...] = (
+    S("host_bytes", BYTES, 4 << 30, "host page pool (`64GiB`, `512MiB` ... accepted)", minimum=1),
+    S("state_slots", INT, 0, "host state slots (required > 0 for models with state)", minimum=0, maximum=INT32_MAX),
+    S(
+        "keep_tokens",
+        INT,
+        1,
+        "prompt suffix always recomputed; a hit is capped at `floor((n - keep) / bs) * bs`",
+        minimum=1,
+        maximum=INT32_MAX,
+    ),
+    S("min_hit_tokens", INT, None, "shorter hits are misses", minimum=0, maximum=INT32_MAX, shown="2 blocks"),
+    S(
+        "state_lookback_blocks",
+        INT,
+        4,
+        "states kept at this many deepest boundaries of a prompt",
+        minimum=0,
+        maximum=INT32_MAX,
+        env="KVTIER_STATE_LOOKBACK",
+    ),
+    S(
+        "ring_slack",
+        INT,
+        0,
+        "a state at `b` needs `b >= seq_len - ring_slack`",
+        minimum=0,
+        maximum=INT32_MAX,
+        shown="0 (the adapter reads `engine.ring_slack`)",
+    ),
+    S(
+        "hash_kind",
+        TEXT,
+        "blake3",
+        "`blake3` (keyed, cryptographic) or `xxh3` (faster; collisions can be crafted: single tenant only)",
+        choices=("blake3", "xxh3"),
+    ),
+    S("hash_key", SECRET, None, "per-deployment secret key of the block hash", shown="public default"),
+    S("staging_slots", INT, 16, "GPU staging buffers for state copies", minimum=1, maximum=4096),
+    S(
+        "pin_step_bytes",
+        BYTES,
+        16 << 20,
+        "host pools are pinned in pin steps of this size off the engine loop",
+        minimum=1,
+        old_names=("pin_chunk_bytes",),
+    ),
+    S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
+    S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
+    S("l3", TEXT, None, "`mooncake` enables the L3 tier", choices=("mooncake",)),
+    S("l3_master", TEXT, None, "Mooncake master `host:port`"),
+    S("l3_metadata_server", TEXT, "P2PHANDSHAKE", "Mooncake metadata server"),
+    S("l3_protocol", TEXT, "tcp", "Mooncake transfer protocol", choices=("tcp", "rdma")),
+    S("l3_segment_bytes", BYTES, 0, "host bytes this instance contributes to the Store (0: none)", minimum=0),
+    S("l3_buffer_bytes", BYTES, 64 << 20, "Mooncake's local transfer buffer", minimum=0),
+    S("l3_group_pages", INT, 4, "pages per L3 object", minimum=1, maximum=4096),
+    S("l3_deadline_ms", FLOAT, 50.0, "how long a request waits for an L3 fetch", minimum=0),
+    S("l3_seen_keys", INT, 1 << 20, "L3 keys remembered as already in the Store", minimum=1, maximum=INT32_MAX),
+)
+SETTINGS: Mapping[str, Setting] = {s.name: s for s in REGISTRY}
+_OLD_NAMES = {old: s for s in REGISTRY for old in s.old_names}
+
+
 class CacheSettings:
-    """Every setting of a cache; see README.md for what each one does."""
+    """Every setting of a cache, resolved and checked: ``settings.host_bytes`` etc. (see ``REGISTRY``).
 
-    host_bytes: int = 4 << 30
-    state_slots: int = 0
-    keep_tokens: int = 1
-    min_hit_tokens: int | None = None  # default: two blocks
-    state_lookback_blocks: int = 4
-    ring_slack: int = 0
-    hash_kind: str = "blake3"
-    hash_key: str | None = None
-    staging_slots: int = 16
-    # Each chunk's registration holds the driver and stalls launches on the engine loop: docs/PERFORMANCE.md.
-    pin_chunk_bytes: int = 16 << 20
-    preallocate: bool = False
-    max_errors: int = 3
-    l3: str | None = None  # None or "mooncake"
-    l3_master: str | None = None
-    l3_metadata_server: str = "P2PHANDSHAKE"
-    l3_protocol: str = "tcp"
-    l3_segment_bytes: int = 0
-    l3_buffer_bytes: int = 64 << 20
-    l3_group_pages: int = 4
-    l3_deadline_ms: float = 50.0
-    l3_seen_keys: int = 1 << 20
+    ``CacheSettings(**arguments)`` uses arguments and defaults; ``CacheSettings.resolve(env, **arguments)`` also
+    reads the environment (``os.environ`` when ``env`` is None). ``sources[name]`` says where each value came
+    from: ``"argument"``, ``"env"`` or ``"default"``."""
+
+    def __init__(self, **arguments: Any) -> None:
+        self._init(arguments, {})
 
     @classmethod
-    def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CacheSettings:
-        """Settings from ``overrides`` (None means unset), then ``env`` (default ``os.environ``), then defaults."""
-        env = os.environ if env is None else env
-        unknown = set(overrides) - set(SETTINGS)
+    def resolve(cls, env: Mapping[str, str] | None = None, **arguments: Any) -> CacheSettings:
+        out = cls.__new__(cls)
+        out._init(arguments, os.environ if env is None else env)
+        return out
+
+    def _init(self, arguments: dict[str, Any], env: Mapping[str, str]) -> None:
+        arguments = dict(arguments)
+        for old, s in _OLD_NAMES.items():
+            if arguments.get(old) is not None:
+                warnings.warn(f"setting {old} is now {s.name}", DeprecationWarning, stacklevel=4)
+                if arguments.get(s.name) is None:
+                    arguments[s.name] = arguments[old]
+            arguments.pop(old, None)
+        unknown = set(arguments) - set(SETTINGS)
         if unknown:
-            raise TypeError(f"unknown cache settings: {sorted(unknown)}")
+            raise TypeError(f"unknown cache settings: {sorted(unknown)} (known: {', '.join(SETTINGS)})")
         values: dict[str, Any] = {}
-        for name, s in SETTINGS.items():
-            value = overrides.get(name)
-            source = name
-            if value is None and s.env in env:
-                source = f"{name} (from {s.env}={env[s.env]!r})"
-                try:
-                    value = s.parse(env[s.env])
-                except ValueError as e:
-                    raise ValueError(f"bad setting {source}: {e}") from None
+        sources: dict[str, str] = {}
+        for s in REGISTRY:
+            value, source, where = arguments.get(s.name), "argument", s.name
             if value is None:
+                for var in (s.variable, *(f"KVTIER_{old.upper()}" for old in s.old_names)):
+                    if env.get(var, "").strip():
+                        if var != s.variable:
+                            warnings.warn(f"{var} is now {s.variable}", DeprecationWarning, stacklevel=4)
+                        value, source, where = env[var], "env", f"{s.name} (from {var}={env[var]!r})"
+                        break
+            if value is None or (s.kind == TEXT and s.default is None and value == ""):
+                values[s.name], sources[s.name] = s.default, "default"
                 continue
-            if s.minimum is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TypeError(f"setting {source} must be a number, got {type(value).__name__}")
-                if value < s.minimum:
-                    raise ValueError(f"setting {source} must be >= {s.minimum}, got {value}")
-            values[name] = value
-        out = cls(**values)
-        if out.hash_kind not in ("blake3", "xxh3"):
-            raise ValueError(f"setting hash_kind must be 'blake3' or 'xxh3', got {out.hash_kind!r}")
-        if out.l3 not in (None, "", "mooncake"):
-            raise ValueError(f"setting l3 must be unset or 'mooncake', got {out.l3!r}")
-        if out.l3 == "mooncake" and not out.l3_master:
+            try:
+                values[s.name] = s.parse(value)
+            except ValueError as e:
+                raise ValueError(f"bad setting {where}: {e}") from None
+            sources[s.name] = source
+        if values["l3"] == "mooncake" and not values["l3_master"]:
             raise ValueError("setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)")
-        return dataclasses.replace(out, l3=out.l3 or None)
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "sources", sources)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(f"no setting {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("CacheSettings are read-only: build new ones with replace()")
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.__dict__["_values"].items())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CacheSettings) and dict(self) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self)))
+
+    def __repr__(self) -> str:
+        shown = (f"{k}={'<secret>' if SETTINGS[k].kind == SECRET and v else repr(v)}" for k, v in self)
+        return f"CacheSettings({', '.join(shown)})"
+
+    def replace(self, **changes: Any) -> CacheSettings:
+        """These settings with some changed (checked like arguments)."""
+        given = {k: v for k, v in self if self.sources[k] != "default"}
+        return CacheSettings(**{**given, **changes})
+
+    def explain(self) -> list[tuple[str, str, str, str]]:
+        """``(name, value, source, variable)`` of every setting, secrets hidden: what ``kvtier info`` prints."""
+        out = []
+        for s in REGISTRY:
+            v = getattr(self, s.name)
+            if s.kind == SECRET and v is not None:
+                text = "<set>"
+            elif v is None:
+                text = s.default_text
+            elif s.kind == BYTES:
+                text = format_bytes(v)
+            else:
+                text = str(v).lower() if s.kind == BOOL else str(v)
+            out.append((s.name, text, self.sources[s.name], s.variable))
+        return out
+
+
+def markdown_table() -> str:
+    """The README's settings table, made from the registry (a test keeps README.md equal to it)."""
+    rows = ["| setting | variable | default | meaning |", "| --- | --- | --- | --- |"]
+    for s in REGISTRY:
+        help_text = s.help + (f" (was `{'`, `'.join(s.old_names)}`)" if s.old_names else "")
+        rows.append(f"| {s.name} | {s.variable} | {s.default_text} | {help_text} |")
+    return "\n".join(rows)
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this process can have: physical memory, lowered by a cgroup limit (None if unknown)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+# Bytes of index bookkeeping per host slot at most (entry, LRU links, key map), counted against memory.
+BOOKKEEPING_BYTES_PER_SLOT = 96
+
+
+def check_fits(
+    settings: CacheSettings, *, page_slots: int, page_bytes: int, state_bytes: int, memory: int | None = None
+) -> None:
+    """Raises ``ValueError`` naming the setting when the host pools, their bookkeeping and the L3 buffers cannot
+    fit in this machine's memory: checked before anything is allocated, so no setting aborts the process."""
+    if page_slots > INT32_MAX:
+        raise ValueError(
+            f"setting host_bytes={settings.host_bytes} makes {page_slots} page slots of {page_bytes} "
+            f"bytes; at most {INT32_MAX} are supported"
+        )
+    memory = machine_memory() if memory is None else memory
+    if memory is None:
+        return
+    state_slots = settings.state_slots
+    pages = page_slots * (page_bytes + BOOKKEEPING_BYTES_PER_SLOT)
+    states = state_slots * (state_bytes + BOOKKEEPING_BYTES_PER_SLOT)
+    l3 = 0
+    if settings.l3:  # the Store's segment and buffer, a group's scratch buffer, the seen-set at its bound
+        l3 = settings.l3_segment_bytes + settings.l3_buffer_bytes + settings.l3_group_pages * page_bytes
+        l3 += settings.l3_seen_keys * BOOKKEEPING_BYTES_PER_SLOT
+    have = f"this machine has {format_bytes(memory)} ({memory} bytes) of memory"
+    if pages > memory:
+        raise ValueError(f"setting host_bytes={settings.host_bytes} needs {pages} bytes with its bookkeeping; {have}")
+    if pages + states > memory:
+        raise ValueError(
+            f"setting state_slots={state_slots} needs {states} bytes ({state_bytes} per state with its "
+            f"bookkeeping) beside host_bytes={settings.host_bytes}; {have}"
+        )
+    if pages + states + l3 > memory:
+        raise ValueError(
+            f"settings l3_segment_bytes, l3_buffer_bytes, l3_group_pages and l3_seen_keys need {l3} bytes beside "
+            f"the host pools; {have}"
+        )

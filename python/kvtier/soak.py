@@ -9,7 +9,6 @@ ends, no copy is in flight, every chain was forgotten and no host slot is pinned
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -139,7 +138,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
         num_state_slots=rng.randint(1, 6) if has_state else None,
         preallocate=rng.random() < 0.5 or l3 is not None,
-        pin_chunk_bytes=4 * engine.page_bytes,
+        pin_step_bytes=4 * engine.page_bytes,
         max_errors=1 << 30,
         **l3_settings,
     )
@@ -211,13 +210,15 @@ def soak(seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier soak", description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=30.0, help="time budget (rounds run until it is spent)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=10_000, help="at most this many rounds after the warm-up one")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--fault-rate", type=float, default=0.05, help="probability that an injected call fails")
-    ap.add_argument("--json", action="store_true")
+    from kvtier.cli import at_least, between, parser, positive
+
+    ap = parser("kvtier soak", __doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=positive(), default=30.0, help="time budget (rounds run until it is spent)")
+    ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the randomized rounds")
+    ap.add_argument("--rounds", type=at_least(1), default=10_000, help="at most this many rounds after the warm-up")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--fault-rate", type=between(0, 1, float), default=0.05, help="chance that an injected call fails")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--verbose", action="store_true", help="log every handled (injected) error")
     ap.add_argument("--l3", action="store_true", help="also run the L3 tier on a local Mooncake Store")
     a = ap.parse_args(argv)

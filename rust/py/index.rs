@@ -190,6 +190,21 @@ impl PyIndex {
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
+    /// What `lookup` would answer now, keeping nothing (no chain, no statistics).
+    #[pyo3(signature = (token_ids, *, namespace=None))]
+    fn peek(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyLookup> {
+        let tokens = int32s(token_ids, "token_ids")?;
+        let ns = namespace_bytes(namespace)?;
+        let t = tokens.as_slice();
+        let l = py.detach(|| self.lock().peek(&ns, t)).map_err(to_py)?;
+        Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
+    }
+
     /// A hit could not be resumed now (no GPU blocks); nothing is touched.
     fn defer(&self, request_id: &str) -> PyResult<()> {
         self.lock().defer(request_id).map_err(to_py)

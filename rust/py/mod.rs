@@ -115,6 +115,12 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(d)
 }
 
+/// The statistics a cache reports: `(name, kind, help)` for each, kind "counter" or "gauge" (rust/stats.rs).
+#[pyfunction]
+fn stat_table() -> Vec<(&'static str, &'static str, &'static str)> {
+    crate::stats::TABLE.iter().map(|s| (s.name, s.kind.name(), s.help)).collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -123,6 +129,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleLookupError", py.get_type::<StaleLookupError>())?;
     m.add("CopyError", py.get_type::<CopyError>())?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(stat_table, m)?)?;
     index::register(m)?;
     copy::register(m)?;
     Ok(())

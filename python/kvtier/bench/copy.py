@@ -38,18 +38,25 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvtier bench copy", description=__doc__.splitlines()[0])
+    from kvtier.cli import at_least, parser
+
+    ap = parser("kvtier bench copy", __doc__.splitlines()[0])
     ap.add_argument("--page-sizes", type=_sizes, default=_sizes("16K,64K,256K,1M,4M"), help="bytes per page")
     ap.add_argument("--blocks", type=_ints, default=[2, 4, 8, 16, 0], help="grid sizes to try; 0 = one block per SM")
     ap.add_argument("--threads", type=_ints, default=[512], help="threads per block to try")
     ap.add_argument("--layouts", default="page,layer", help="page (page-first) and/or layer (layer-first)")
     ap.add_argument("--directions", default=",".join(DIRECTIONS), help="h2d, d2h, both")
-    ap.add_argument("--mib", type=int, default=512, help="MiB moved per direction in one measurement")
-    ap.add_argument("--reps", type=int, default=7, help="timed repetitions (the median is reported)")
-    ap.add_argument("--pin-gib", type=float, default=4.0, help="GiB of HostPool to back and pin (0: skip)")
+    ap.add_argument("--mib", type=at_least(1), default=512, help="MiB moved per direction in one measurement")
+    ap.add_argument("--reps", type=at_least(1), default=7, help="timed repetitions (the median is reported)")
+    ap.add_argument("--pin-gib", type=at_least(0, float), default=4.0, help="GiB of HostPool to back and pin (0: skip)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    lists = (("page-sizes", args.page_sizes, 1), ("blocks", args.blocks, 0), ("threads", args.threads, 1))
+    for name, values, low in lists:
+        if not values or min(values) < low:
+            ap.error(f"argument --{name}: every value must be >= {low}, got {values}")
+    return args
 
 
 class _Timer:

@@ -8,7 +8,6 @@ process; the Rust side includes turning the engine's token list into an int32 ar
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -91,15 +90,17 @@ def run(side: RustSide | PythonSide, trace: Sequence[tuple[str, list[int]]]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench index", description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--system-tokens", type=int, default=2048)
-    ap.add_argument("--turn-tokens", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--page-slots", type=int, default=4096, help="host pool size in pages (small: it evicts)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each side; the fastest counts")
-    ap.add_argument("--seed", type=int, default=0)
+    from kvtier.cli import at_least, parser
+
+    ap = parser("kvtier bench index", __doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=at_least(1), default=16, help="conversations in the trace")
+    ap.add_argument("--turns", type=at_least(1), default=8, help="turns of each conversation")
+    ap.add_argument("--system-tokens", type=at_least(1), default=2048, help="shared system prompt")
+    ap.add_argument("--turn-tokens", type=at_least(1), default=512, help="tokens each turn adds")
+    ap.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
+    ap.add_argument("--page-slots", type=at_least(1), default=4096, help="host pool size in pages (small: it evicts)")
+    ap.add_argument("--repeat", type=at_least(1), default=3, help="runs of each side; the fastest counts")
+    ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the trace")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
     trace = make_trace(a.conversations, a.turns, a.system_tokens, a.turn_tokens, a.seed)

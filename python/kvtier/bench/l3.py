@@ -28,19 +28,17 @@ import numpy as np
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvtier bench l3", description=__doc__.splitlines()[0])
+    from kvtier.cli import at_least, parser
+
+    ap = parser("kvtier bench l3", __doc__.splitlines()[0])
     ap.add_argument("--master", help="host:port of a running Mooncake master (default: start one on loopback)")
-    ap.add_argument("--page-kib", type=int, default=256, help="page size in KiB")
-    ap.add_argument("--group-pages", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=16, help="groups per batch (one prompt)")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--segment-mib", type=int, default=1024, help="holder segment when starting a master")
+    ap.add_argument("--page-kib", type=at_least(1), default=256, help="page size in KiB")
+    ap.add_argument("--group-pages", type=at_least(1), default=4, help="pages per L3 object")
+    ap.add_argument("--groups", type=at_least(1), default=16, help="groups per batch (one prompt)")
+    ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
+    ap.add_argument("--segment-mib", type=at_least(1), default=1024, help="holder segment when starting a master")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    args = ap.parse_args(argv)
-    for name in ("page_kib", "group_pages", "groups", "rounds", "segment_mib"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    return ap.parse_args(argv)
 
 
 @contextlib.contextmanager
@@ -111,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 def tier_get() -> None:
                     # The resume that starts the fetch, then the fetch until done.
                     t0 = time.perf_counter()
-                    started = reader.resume(f"g{r}", prompt, allocate=lambda: True, block_table=lambda: table)
+                    started = reader.resume(f"g{r}", prompt, allocate=lambda: table)
                     t1 = time.perf_counter()
                     fetch = reader._l3._fetches[f"g{r}"]
                     if started != -1 or fetch is None:
@@ -134,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # A miss: a prompt nothing has stored.
                 other = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
                 t0 = time.perf_counter()
-                reader.resume(f"m{r}", other, allocate=lambda: True, block_table=lambda: table)
+                reader.resume(f"m{r}", other, allocate=lambda: table)
                 t1 = time.perf_counter()
                 fetch = reader._l3._fetches[f"m{r}"]
                 assert fetch is not None and fetch.future is not None

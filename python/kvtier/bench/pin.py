@@ -8,7 +8,6 @@ rate (GiB/s) and the calls' times after pinning finished, in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -31,14 +30,17 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench pin", description=__doc__.splitlines()[0])
-    ap.add_argument("--host-gib", type=float, default=64)
-    ap.add_argument("--chunk-mib", type=int, default=16)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--after-seconds", type=float, default=5.0, help="keep serving this long after pinning")
-    ap.add_argument("--max-seconds", type=float, default=120.0)
-    ap.add_argument("--json", action="store_true")
+    from kvtier.cli import at_least, parser, positive
+
+    ap = parser("kvtier bench pin", __doc__.splitlines()[0])
+    ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
+    ap.add_argument("--pin-step-mib", "--chunk-mib", dest="chunk_mib", type=at_least(1), default=16,
+                    help="pin step, in MiB (--chunk-mib is its old name)")  # fmt: skip
+    ap.add_argument("--device", default="cuda", help="cpu or cuda")
+    ap.add_argument("--model", default="small", help="model size preset of the reference engine")
+    ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="serve this long after pinning")
+    ap.add_argument("--max-seconds", type=positive(), default=120.0, help="give up after this long")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
 
     from kvtier.deepinfer import Cache
@@ -47,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
     cache = Cache(engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096,
-                  pin_chunk_bytes=a.chunk_mib << 20)  # fmt: skip
+                  pin_step_bytes=a.chunk_mib << 20)  # fmt: skip
     calls: list[tuple[float, float, str]] = []
     for name in ("try_resume", "on_prefill_step", "poll"):
         setattr(cache, name, timed(getattr(cache, name), calls, name))
