@@ -82,7 +82,9 @@ fn find_nvcc() -> Option<PathBuf> {
         .filter_map(|v| env::var(v).ok())
         .chain(["python3".to_string(), "python".to_string()]);
     for py in pythons {
-        let out = Command::new(&py).args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).output();
+        let out = Command::new(&py)
+            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+            .output();
         if let Ok(out) = out {
             let site = String::from_utf8_lossy(&out.stdout).trim().to_string();
             if let Some(p) = exists(PathBuf::from(site).join("nvidia/cu13/bin/nvcc")) {

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::cuda::{self, Event, Launch, Layer};
+use crate::cuda::{self, Event, Layer, Launch};
 use crate::error::{invalid, Error, Result};
 use crate::hostmem::HostPool;
 
@@ -315,8 +315,7 @@ mod tests {
     use super::*;
 
     fn pool_and_copier(layers: usize, chunk: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
-        let mut mem: Vec<Vec<u8>> =
-            (0..layers).map(|l| vec![l as u8; (chunk as usize + 16) * blocks as usize + 16]).collect();
+        let mut mem: Vec<Vec<u8>> = (0..layers).map(|l| vec![l as u8; (chunk as usize + 16) * blocks as usize + 16]).collect();
         let layer_ptrs = mem
             .iter_mut()
             .map(|m| {

@@ -154,8 +154,7 @@ pub unsafe fn copy_pages(l: &Launch<'_>, gpu_ids: &[i32], host_ids: &[i32], stre
             to_host: i32::from(l.to_host),
             debug_sync: i32::from(l.debug_sync),
         };
-        let code =
-            ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
+        let code = ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
         check(code, "page copy kernel")
     }
     #[cfg(not(kvtier_cuda))]

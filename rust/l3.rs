@@ -101,9 +101,7 @@ mod tests {
 
     #[test]
     fn fingerprint_ignores_order_and_sees_every_field() {
-        let f = |v: &[(&str, &str)]| {
-            fingerprint(&v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>())
-        };
+        let f = |v: &[(&str, &str)]| fingerprint(&v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>());
         let a = f(&[("block_size", "16"), ("dtype", "bf16")]).unwrap();
         assert_eq!(a, f(&[("dtype", "bf16"), ("block_size", "16")]).unwrap());
         assert_ne!(a, f(&[("block_size", "32"), ("dtype", "bf16")]).unwrap());

@@ -165,13 +165,7 @@ impl PyPageCopier {
     /// GPU blocks -> host slots; launched on `stream` (a raw cudaStream_t) without waiting, or copied before
     /// returning on a CPU pool.
     #[pyo3(signature = (gpu_ids, host_slots, stream = 0))]
-    fn to_host(
-        &self,
-        py: Python<'_>,
-        gpu_ids: &Bound<'_, PyAny>,
-        host_slots: &Bound<'_, PyAny>,
-        stream: u64,
-    ) -> PyResult<()> {
+    fn to_host(&self, py: Python<'_>, gpu_ids: &Bound<'_, PyAny>, host_slots: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
         let g = int32s(gpu_ids, "gpu_ids")?;
         let h = int32s(host_slots, "host_slots")?;
         let (g, h) = (g.as_slice(), h.as_slice());
@@ -180,13 +174,7 @@ impl PyPageCopier {
 
     /// Host slots -> GPU blocks; see `to_host`.
     #[pyo3(signature = (host_slots, gpu_ids, stream = 0))]
-    fn to_gpu(
-        &self,
-        py: Python<'_>,
-        host_slots: &Bound<'_, PyAny>,
-        gpu_ids: &Bound<'_, PyAny>,
-        stream: u64,
-    ) -> PyResult<()> {
+    fn to_gpu(&self, py: Python<'_>, host_slots: &Bound<'_, PyAny>, gpu_ids: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
         let h = int32s(host_slots, "host_slots")?;
         let g = int32s(gpu_ids, "gpu_ids")?;
         let (g, h) = (g.as_slice(), h.as_slice());
@@ -241,9 +229,7 @@ impl PyCompletionQueue {
     #[new]
     #[pyo3(signature = (device = None))]
     fn new(device: Option<i64>) -> PyResult<Self> {
-        let device = device
-            .map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range"))))
-            .transpose()?;
+        let device = device.map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range")))).transpose()?;
         Ok(Self { inner: Mutex::new(CompletionQueue::new(device).map_err(to_py)?) })
     }
 

@@ -44,10 +44,7 @@ pub struct PyLookup {
 #[pymethods]
 impl PyLookup {
     fn __repr__(&self) -> String {
-        format!(
-            "Lookup(hit_tokens={}, ready_pages={}, limit_pages={})",
-            self.hit_tokens, self.ready_pages, self.limit_pages
-        )
+        format!("Lookup(hit_tokens={}, ready_pages={}, limit_pages={})", self.hit_tokens, self.ready_pages, self.limit_pages)
     }
 }
 
@@ -170,13 +167,7 @@ impl PyIndex {
 
     /// Hashes the prompt into the request's chain (extending it) and returns its block keys.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
-    fn chain(
-        &self,
-        py: Python<'_>,
-        request_id: &str,
-        token_ids: &Bound<'_, PyAny>,
-        namespace: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u128>> {
+    fn chain(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u128>> {
         let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
         let t = tokens.as_slice();
@@ -191,13 +182,7 @@ impl PyIndex {
     /// What a resume of this prompt would restore now. A request is counted in the lookup statistics once,
     /// however often it is retried.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
-    fn lookup(
-        &self,
-        py: Python<'_>,
-        request_id: &str,
-        token_ids: &Bound<'_, PyAny>,
-        namespace: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyLookup> {
+    fn lookup(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<PyLookup> {
         let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
         let t = tokens.as_slice();

@@ -57,10 +57,7 @@ pub(crate) fn int32s<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Int32
     if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
         let ro = arr.try_readonly().map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
         if ro.as_slice().is_err() {
-            return Err(PyValueError::new_err(format!(
-                "{what} must be a contiguous array, got strides {:?}",
-                arr.strides()
-            )));
+            return Err(PyValueError::new_err(format!("{what} must be a contiguous array, got strides {:?}", arr.strides())));
         }
         return Ok(Int32s::Array(ro));
     }
