@@ -192,11 +192,7 @@ impl HostPool {
         let _mem = self.access()?;
         let at = self.slot_offset(slot)?;
         if data.len() as u64 > self.slot_bytes {
-            return Err(invalid(format!(
-                "data of {} bytes does not fit a slot of {} bytes",
-                data.len(),
-                self.slot_bytes
-            )));
+            return Err(invalid(format!("data of {} bytes does not fit a slot of {} bytes", data.len(), self.slot_bytes)));
         }
         // SAFETY: the slot is usable and the write stays inside it; the guard keeps the mapping alive.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (self.base + at) as *mut u8, data.len()) };
