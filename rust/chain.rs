@@ -231,6 +231,21 @@ macro_rules! token_ids_of {
 }
 token_ids_of!(i64, u64, u32, i16, u16, i8, u8);
 
+impl<T> TokenIds for &[T]
+where
+    [T]: TokenIds,
+{
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        (**self).read(start, out)
+    }
+    fn as_i32(&self) -> Option<&[i32]> {
+        (**self).as_i32()
+    }
+}
+
 impl<T> TokenIds for Vec<T>
 where
     [T]: TokenIds,
@@ -299,7 +314,7 @@ impl Chain {
     }
 
     /// Extends the chain over the full blocks of `tokens` past those hashed; the caller has checked `mismatch`.
-    /// Reads (and range-checks) only the new tokens. Returns the number of blocks hashed.
+    /// Reads (and range-checks) only the tokens past those hashed. Returns the number of blocks hashed.
     pub fn extend<T: TokenIds + ?Sized>(
         &mut self,
         hasher: &BlockHasher,
@@ -308,6 +323,11 @@ impl Chain {
         tokens: &T,
     ) -> Result<usize> {
         let (from, to) = (self.keys.len(), tokens.len() / block_size);
+        // The partial block after the full ones is not hashed, but its ids are checked like the others.
+        let tail = (to * block_size).max(from * block_size)..tokens.len();
+        if !tail.is_empty() {
+            tokens.read(tail.start, &mut vec![0; tail.len()])?;
+        }
         if to <= from {
             return Ok(0);
         }

@@ -179,15 +179,23 @@ impl Index {
     /// does not extend the chain is `Error::PromptMismatch` (a request id reused without `forget`).
     pub fn chain<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<&[Key]> {
         let bs = self.cfg.block_size;
-        if !self.requests.contains_key(request_id) {
+        let fresh = !self.requests.contains_key(request_id);
+        if fresh {
             self.requests.insert(request_id.to_owned(), Request::default());
         }
         let req = self.requests.get_mut(request_id).expect("inserted above");
-        if let Some(reason) = req.chain.mismatch(bs, namespace, tokens)? {
-            return Err(Error::PromptMismatch { request: request_id.to_owned(), reason });
+        let outcome = match req.chain.mismatch(bs, namespace, tokens) {
+            Ok(Some(reason)) => Err(Error::PromptMismatch { request: request_id.to_owned(), reason }),
+            Ok(None) => req.chain.extend(&self.hasher, bs, namespace, tokens),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = outcome {
+            if fresh {
+                self.requests.remove(request_id); // a refused call leaves no trace
+            }
+            return Err(e);
         }
-        req.chain.extend(&self.hasher, bs, namespace, tokens)?;
-        Ok(req.chain.keys())
+        Ok(self.requests[request_id].chain.keys())
     }
 
     /// Tokens hashed so far for a request (0 for an unknown one): a caller reading tokens from a list reads the

@@ -34,23 +34,6 @@ T = TypeVar("T")
 StateFn = Callable[[Any, int, torch.Tensor], None]
 
 
-def token_array(prompt_ids: Any) -> np.ndarray:
-    """Prompt token ids as a 1-D int32 array (no copy when they already are one)."""
-    if isinstance(prompt_ids, torch.Tensor):
-        prompt_ids = prompt_ids.detach().cpu().numpy()
-    arr = np.asarray(prompt_ids)
-    if arr.ndim != 1:
-        raise ValueError(f"prompt_ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"prompt_ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype != np.int32:
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-            bad = arr[(arr < 0) | (arr > np.iinfo(np.int32).max)][0]
-            raise ValueError(f"prompt_ids must be in [0, 2**31), got {bad}")
-        arr = arr.astype(np.int32)
-    return arr
-
-
 def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Runs an engine-loop call under the failure policy: errors are logged and counted, never raised."""
 
@@ -206,7 +189,7 @@ class HostPrefixCache:
         """Tokens a resume of this prompt would restore now (0: miss). Touches nothing."""
         if self.disabled or self.closed:
             return 0
-        return self.index.lookup(request_id, token_array(prompt_ids), namespace=namespace).hit_tokens
+        return self.index.lookup(request_id, prompt_ids, namespace=namespace).hit_tokens
 
     def resume(
         self,
@@ -225,8 +208,7 @@ class HostPrefixCache:
         sequence is then recomputed from scratch, even if it was allocated), or -1 when ``allocate()`` said not now
         (retry later; nothing was touched).
         """
-        tokens = token_array(prompt_ids)
-        return self._resume(request_id, tokens, allocate, block_table, state, namespace)
+        return self._resume(request_id, prompt_ids, allocate, block_table, state, namespace)
 
     @_guarded(0)
     def _resume(self, request_id, tokens, allocate, block_table, state, namespace) -> int:  # type: ignore[no-untyped-def]
@@ -278,10 +260,9 @@ class HostPrefixCache:
         """Write-through store of a prompt whose prefill has run: its full blocks (GPU blocks ``block_table``)
         and, for models with state, the states at the last few block boundaries still in the ring
         (``seq_len``: the sequence's length now)."""
-        tokens = token_array(prompt_ids)
         table = np.asarray(block_table, dtype=np.int32)
-        self._check_blocks(table[: len(tokens) // self.block_size])
-        self._store(request_id, tokens, table, seq_len, state, namespace)
+        self._check_blocks(table[: len(prompt_ids) // self.block_size])
+        self._store(request_id, prompt_ids, table, seq_len, state, namespace)
 
     def _check_blocks(self, table: np.ndarray) -> None:
         """GPU block ids must be inside the pool: checked before anything is planned or copied."""
