@@ -57,6 +57,8 @@ pub struct BlockHasher {
     block_key: [u32; 8],
     chain_key: [u32; 8],
     namespace_key: [u8; 32],
+    /// xxh3's secret for block digests, derived from the key once (a seeded xxh3 would derive one a call).
+    xxh3_secret: [u8; 192],
     /// Digest 16 blocks at once in AVX-512 lanes (checked once, at construction).
     wide: bool,
 }
@@ -66,12 +68,15 @@ impl BlockHasher {
     pub fn new(kind: HashKind, secret: &[u8]) -> Self {
         let key = blake3::derive_key(KEY_CONTEXT, secret);
         let sub = |label: &[u8]| *blake3::keyed_hash(&key, label).as_bytes();
+        let mut xxh3_secret = [0u8; 192];
+        blake3::Hasher::new_keyed(&key).update(b"xxh3 secret").finalize_xof().fill(&mut xxh3_secret);
         Self {
             kind,
             key,
             block_key: lanes::words(&sub(b"block")),
             chain_key: lanes::words(&sub(b"chain")),
             namespace_key: sub(b"namespace"),
+            xxh3_secret,
             wide: lanes::wide_available(),
         }
     }
@@ -113,9 +118,9 @@ impl BlockHasher {
         out.reserve(blocks);
         match self.kind {
             HashKind::Xxh3 => {
-                let (block_seed, chain_seed) = (self.seed(0), self.seed(1));
+                let chain_seed = self.seed(1);
                 for block in tokens.chunks_exact(block_size) {
-                    let d = xxhash_rust::xxh3::xxh3_128_with_seed(token_bytes(block), block_seed);
+                    let d = xxhash_rust::xxh3::xxh3_128_with_secret(token_bytes(block), &self.xxh3_secret);
                     let mut m = [0u8; 32];
                     m[..16].copy_from_slice(&prev.to_le_bytes());
                     m[16..].copy_from_slice(&d.to_le_bytes());
@@ -143,13 +148,12 @@ impl BlockHasher {
         }
     }
 
+    /// xxh3 seeds of the chain step (1) and the namespace root (2).
     fn seed(&self, i: usize) -> u64 {
-        let k = match i {
-            0 => &self.block_key,
-            1 => &self.chain_key,
-            _ => return u64::from_le_bytes(self.namespace_key[..8].try_into().expect("8 bytes")),
-        };
-        u64::from(k[0]) | u64::from(k[1]) << 32
+        match i {
+            1 => u64::from(self.chain_key[0]) | u64::from(self.chain_key[1]) << 32,
+            _ => u64::from_le_bytes(self.namespace_key[..8].try_into().expect("8 bytes")),
+        }
     }
 }
 
