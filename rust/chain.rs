@@ -363,6 +363,8 @@ impl Chain {
 /// Keyed BLAKE3 of short inputs (one chunk, at most 1024 bytes) written out from the specification, so that many
 /// independent blocks can be digested at once, one per SIMD lane, and a chain step costs one compression. Every
 /// output equals `blake3::keyed_hash` (tested against it).
+// Loops run over lanes and words by index on purpose: that is the shape the vectorizer turns into SIMD.
+#[allow(clippy::needless_range_loop)]
 mod lanes {
     use super::Key;
 

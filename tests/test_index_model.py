@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import array
 
+import kvtier
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import kvtier
 from kvtier.pyindex import PyIndex
 
 BLOCK = 4
@@ -92,7 +92,8 @@ class IndexMachine(RuleBasedStateMachine):
         seq_len = len(prompt) + extra
         p = self.rust.plan_store(rid, prompt, seq_len=seq_len)
         m = self.model.plan_store(rid, prompt.tolist(), seq_len)
-        assert (p.ticket, p.page_indices.tolist(), p.page_slots.tolist(), p.state_boundaries, p.state_slots.tolist()) == m
+        got = (p.ticket, p.page_indices.tolist(), p.page_slots.tolist(), p.state_boundaries, p.state_slots.tolist())
+        assert got == m
         self.pending.append(p.ticket)
         self._step_evictions()
 
@@ -232,7 +233,7 @@ def test_chain_extension_equals_a_fresh_chain(tokens, kind):
         ix.chain("grow", other)
     assert ix.forget("grow")
     changed = ix.chain("grow", other)
-    assert all(a != b for a, b in zip(changed, fresh))
+    assert all(a != b for a, b in zip(changed, fresh, strict=True))
 
 
 # The rules, on both the Rust index and the plain-Python model: the minimal traces.
@@ -257,7 +258,9 @@ class Rules:
         return p.page_indices.tolist(), p.state_boundaries
 
     def lookup(self, rid: str, tokens: list[int]) -> int:
-        return (self.model.lookup(rid, tokens)[0]) if self.model is not None else self.rust.lookup(rid, tokens).hit_tokens
+        if self.model is not None:
+            return self.model.lookup(rid, tokens)[0]
+        return self.rust.lookup(rid, tokens).hit_tokens
 
     def stat(self, name: str) -> int:
         return self.model.stats[name] if self.model is not None else self.rust.stats()[name]
@@ -337,18 +340,20 @@ def test_every_token_container_gives_the_same_keys():
     ids = np.random.default_rng(1).integers(0, 2**31 - 1, size=100, dtype=np.int64)
     ix = kvtier.Index(4, block_size=16)
     want = ix.chain("ref", ids.astype(np.int32))
-    for i, t in enumerate([
-        ids.tolist(),
-        tuple(ids.tolist()),
-        ids,
-        ids.astype(np.uint32),
-        array.array("i", ids.tolist()),
-        array.array("l", ids.tolist()),
-        array.array("q", ids.tolist()),
-        torch.from_numpy(ids),
-        torch.from_numpy(ids.astype(np.int32)),
-        [np.int64(x) for x in ids],
-    ]):
+    for i, t in enumerate(
+        [
+            ids.tolist(),
+            tuple(ids.tolist()),
+            ids,
+            ids.astype(np.uint32),
+            array.array("i", ids.tolist()),
+            array.array("l", ids.tolist()),
+            array.array("q", ids.tolist()),
+            torch.from_numpy(ids),
+            torch.from_numpy(ids.astype(np.int32)),
+            [np.int64(x) for x in ids],
+        ]
+    ):
         assert ix.chain(f"r{i}", t) == want, type(t)
     small = np.arange(64, dtype=np.uint16)
     assert ix.chain("u16", small) == ix.chain("i32", small.astype(np.int32))

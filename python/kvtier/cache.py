@@ -186,7 +186,11 @@ class HostPrefixCache:
         return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
     def lookup(self, request_id: str, prompt_ids: Any, *, namespace: str | bytes | None = None) -> int:
-        """Tokens a resume of this prompt would restore now (0: miss). Touches nothing."""
+        """Tokens a resume of this prompt would restore now (0: miss). Touches nothing.
+
+        ``prompt_ids`` as the engine holds them (a list, an integer array, a CPU tensor). A request's ids only grow
+        until ``forget(request_id)``: a prompt that does not extend them raises ``PromptMismatchError``
+        (docs/INDEX.md); a call for a request already seen costs its new tokens, not the prompt."""
         if self.disabled or self.closed:
             return 0
         return self.index.lookup(request_id, prompt_ids, namespace=namespace).hit_tokens
