@@ -5,6 +5,7 @@ copies them back on the engine's stream; the optional L3 tier shares them throug
 """
 
 from kvtier._core import (
+    KEY_SCHEME,
     CopyError,
     Index,
     KvtierError,
@@ -22,6 +23,7 @@ from kvtier._core import (
 )
 
 __all__ = [
+    "KEY_SCHEME",
     "CopyError",
     "Index",
     "KvtierError",

@@ -9,7 +9,10 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+# Version of the block-key derivation: every key changes with it (part of the L3 fingerprint).
+KEY_SCHEME: Final[int]
 __all__ = [
+    "KEY_SCHEME",
     "CompletionQueue",
     "CopyError",
     "HostPool",

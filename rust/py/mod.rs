@@ -286,6 +286,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("KEY_SCHEME", crate::chain::KEY_SCHEME)?;
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("StaleLookupError", py.get_type::<StaleLookupError>())?;
     m.add("CopyError", py.get_type::<CopyError>())?;
