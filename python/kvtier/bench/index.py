@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -39,6 +39,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         return action.help if action.default is None else super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad options are one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _median_us(call: Callable[[], object], repeat: int) -> float:
@@ -173,7 +180,7 @@ def trace_case(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="kvtier bench index",
         description=__doc__.splitlines()[0],
         formatter_class=_Help,
