@@ -579,6 +579,8 @@ mod tests {
                 want.push(prev);
             }
             assert_eq!(chain_of(&h, bs, b"", &t), want, "block size {bs}");
+            let narrow = BlockHasher { wide: false, ..h.clone() };
+            assert_eq!(chain_of(&narrow, bs, b"", &t), want, "block size {bs}, one block at a time");
             if bs * 4 <= lanes::MAX_BYTES {
                 let one = lanes::digest_one(&h.block_key, &t[..bs]);
                 assert_eq!(lanes::bytes(&one), *blake3::keyed_hash(kb.as_bytes(), token_bytes(&t[..bs])).as_bytes());
