@@ -1,18 +1,27 @@
-//! Chained 128-bit block keys over int32 token ids.
+//! Chained 128-bit block keys over token ids.
 //!
-//! Page i's key is `H(key_{i-1} || tokens[i*bs..(i+1)*bs])`, and `key_{-1}` is derived from a per-request
-//! namespace (zero when empty), so a tenant salt isolates whole chains. Chains are cached per request and only
-//! extended: the tokens already hashed are compared (cheap) and only blocks past the first difference are hashed.
+//! Page i's key is `C(key_{i-1}, D(tokens[i*bs..(i+1)*bs]))`: `D` digests one block on its own and `C` chains the
+//! digests, so the blocks of a prompt are digested independently (many at once, in SIMD lanes) and only the small
+//! chain step runs block after block. `key_{-1}` is derived from a per-request namespace (zero when empty), so a
+//! tenant salt isolates whole chains. With keyed BLAKE3, `D` is `keyed_hash(k_block, block bytes)` (256 bits) and
+//! `C` is `keyed_hash(k_chain, prev || digest)` truncated to 128 bits: a collision of two chains needs a collision
+//! of `C` or of `D`, as in a Merkle-Damgard chain over fixed-length digests.
+//!
+//! A request's chain only grows: its tokens may only be extended until the request is forgotten, so a call for a
+//! known request checks cheaply that the prompt still extends what was hashed (length, first and last hashed
+//! block) and hashes only the new blocks.
 use crate::error::{invalid, Result};
 
 /// A block key.
 pub type Key = u128;
 
-/// Context string from which hash keys are derived (BLAKE3 `derive_key`).
-const KEY_CONTEXT: &str = "kvtier 2026-12 block hash key v1";
-/// Domain bytes so that a namespace can never hash to the same value as a block.
-const DOMAIN_BLOCK: u8 = 0;
-const DOMAIN_NAMESPACE: u8 = 1;
+/// Version of the key derivation (hash construction and derived keys). A change of it changes every key: it is
+/// part of the L3 fingerprint, so objects stored under an older scheme are never read.
+/// 1: one keyed BLAKE3 (or xxh3) over `domain || prev || block`. 2: block digests chained over their digests.
+pub const KEY_SCHEME: u32 = 2;
+
+/// Context string from which the hash keys are derived (BLAKE3 `derive_key`).
+const KEY_CONTEXT: &str = "kvtier 2026-12 block hash key scheme 2";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HashKind {
@@ -44,12 +53,32 @@ impl HashKind {
 pub struct BlockHasher {
     kind: HashKind,
     key: [u8; 32],
+    /// Sub-keys of `key` for block digests, chain steps and namespaces (BLAKE3 words; xxh3 takes seeds from them).
+    block_key: [u32; 8],
+    chain_key: [u32; 8],
+    namespace_key: [u8; 32],
+    /// xxh3's secret for block digests, derived from the key once (a seeded xxh3 would derive one a call).
+    xxh3_secret: [u8; 192],
+    /// Digest 16 blocks at once in AVX-512 lanes (checked once, at construction).
+    wide: bool,
 }
 
 impl BlockHasher {
     /// `secret` is any byte string (a deployment's `KVTIER_HASH_KEY`); empty gives the public default key.
     pub fn new(kind: HashKind, secret: &[u8]) -> Self {
-        Self { kind, key: blake3::derive_key(KEY_CONTEXT, secret) }
+        let key = blake3::derive_key(KEY_CONTEXT, secret);
+        let sub = |label: &[u8]| *blake3::keyed_hash(&key, label).as_bytes();
+        let mut xxh3_secret = [0u8; 192];
+        blake3::Hasher::new_keyed(&key).update(b"xxh3 secret").finalize_xof().fill(&mut xxh3_secret);
+        Self {
+            kind,
+            key,
+            block_key: lanes::words(&sub(b"block")),
+            chain_key: lanes::words(&sub(b"chain")),
+            namespace_key: sub(b"namespace"),
+            xxh3_secret,
+            wide: lanes::wide_available(),
+        }
     }
 
     pub fn kind(&self) -> HashKind {
@@ -65,36 +94,65 @@ impl BlockHasher {
     /// `key_{-1}` for a namespace: 0 when empty.
     pub fn root(&self, namespace: &[u8]) -> Key {
         if namespace.is_empty() {
-            0
-        } else {
-            self.digest(DOMAIN_NAMESPACE, 0, namespace)
+            return 0;
+        }
+        match self.kind {
+            HashKind::Blake3 => {
+                let d = blake3::keyed_hash(&self.namespace_key, namespace);
+                u128::from_le_bytes(d.as_bytes()[..16].try_into().expect("16 bytes"))
+            }
+            HashKind::Xxh3 => xxhash_rust::xxh3::xxh3_128_with_seed(namespace, self.seed(2)),
         }
     }
 
-    /// The key of a block whose predecessor has key `prev`.
-    pub fn next(&self, prev: Key, tokens: &[i32]) -> Key {
-        self.digest(DOMAIN_BLOCK, prev, token_bytes(tokens))
+    /// The key of the block after one with key `prev`.
+    pub fn next(&self, prev: Key, block: &[i32]) -> Key {
+        let mut out = Vec::with_capacity(1);
+        self.extend(prev, block, block.len(), &mut out);
+        out[0]
     }
 
-    fn digest(&self, domain: u8, prev: Key, data: &[u8]) -> Key {
+    /// Appends to `out` the keys of the full blocks of `tokens` (`block_size` ids each), chained from `prev`.
+    pub fn extend(&self, mut prev: Key, tokens: &[i32], block_size: usize, out: &mut Vec<Key>) {
+        let blocks = tokens.len() / block_size;
+        out.reserve(blocks);
         match self.kind {
-            HashKind::Blake3 => {
-                let mut h = blake3::Hasher::new_keyed(&self.key);
-                h.update(&[domain]);
-                h.update(&prev.to_le_bytes());
-                h.update(data);
-                let mut out = [0u8; 16];
-                h.finalize_xof().fill(&mut out);
-                u128::from_le_bytes(out)
-            }
             HashKind::Xxh3 => {
-                let seed = u64::from_le_bytes(self.key[..8].try_into().expect("8 bytes"));
-                let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
-                h.update(&[domain]);
-                h.update(&prev.to_le_bytes());
-                h.update(data);
-                h.digest128()
+                let chain_seed = self.seed(1);
+                for block in tokens.chunks_exact(block_size) {
+                    let d = xxhash_rust::xxh3::xxh3_128_with_secret(token_bytes(block), &self.xxh3_secret);
+                    let mut m = [0u8; 32];
+                    m[..16].copy_from_slice(&prev.to_le_bytes());
+                    m[16..].copy_from_slice(&d.to_le_bytes());
+                    prev = xxhash_rust::xxh3::xxh3_128_with_seed(&m, chain_seed);
+                    out.push(prev);
+                }
             }
+            HashKind::Blake3 => {
+                let mut done = 0;
+                if self.wide && block_size * 4 <= lanes::MAX_BYTES {
+                    // SAFETY: `wide` is set only when the CPU has AVX-512F.
+                    done =
+                        unsafe { lanes::chain_wide(&self.block_key, &self.chain_key, prev, tokens, block_size, out) };
+                    if done > 0 {
+                        prev = out[out.len() - 1];
+                    }
+                }
+                let block_key = lanes::bytes(&self.block_key);
+                for block in tokens[done * block_size..blocks * block_size].chunks_exact(block_size) {
+                    let d = blake3::keyed_hash(&block_key, token_bytes(block));
+                    prev = lanes::chain_step(&self.chain_key, prev, &lanes::words(d.as_bytes()));
+                    out.push(prev);
+                }
+            }
+        }
+    }
+
+    /// xxh3 seeds of the chain step (1) and the namespace root (2).
+    fn seed(&self, i: usize) -> u64 {
+        match i {
+            1 => u64::from(self.chain_key[0]) | u64::from(self.chain_key[1]) << 32,
+            _ => u64::from_le_bytes(self.namespace_key[..8].try_into().expect("8 bytes")),
         }
     }
 }
@@ -107,11 +165,113 @@ fn token_bytes(tokens: &[i32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) }
 }
 
-/// One request's chain: the namespace, the tokens of the full blocks hashed so far, and their keys.
+/// The largest token id plus one: ids are `0 <= id < 2**31`.
+pub const TOKEN_LIMIT: i64 = 1 << 31;
+
+/// Token ids as a caller holds them (an int32 slice, a wider or narrower integer slice, part of a list).
+pub trait TokenIds {
+    /// Number of ids in the prompt.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies ids `start..start + out.len()` into `out`; an id outside `0 <= id < 2**31` is an error naming it
+    /// and its position.
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()>;
+    /// The ids as int32, when they are held so (read in place; the caller checks the range of what it uses).
+    fn as_i32(&self) -> Option<&[i32]> {
+        None
+    }
+}
+
+/// The error of a token id out of range.
+pub fn bad_token(position: usize, value: impl std::fmt::Display) -> crate::error::Error {
+    invalid(format!("token_ids[{position}] = {value} is out of range: ids must be >= 0 and < 2**31"))
+}
+
+/// Checks that int32 ids are non-negative; `offset` is the position of `ids[0]` in the prompt.
+pub fn check_i32(ids: &[i32], offset: usize) -> Result<()> {
+    if ids.iter().fold(0, |acc, &t| acc | t) >= 0 {
+        return Ok(());
+    }
+    let i = ids.iter().position(|&t| t < 0).expect("a negative id");
+    Err(bad_token(offset + i, ids[i]))
+}
+
+impl TokenIds for [i32] {
+    fn len(&self) -> usize {
+        <[i32]>::len(self)
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        let src = &self[start..start + out.len()];
+        check_i32(src, start)?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+    fn as_i32(&self) -> Option<&[i32]> {
+        Some(self)
+    }
+}
+
+macro_rules! token_ids_of {
+    ($($t:ty),*) => {$(
+        impl TokenIds for [$t] {
+            fn len(&self) -> usize {
+                <[$t]>::len(self)
+            }
+            #[allow(clippy::cast_possible_truncation, clippy::unnecessary_cast, unused_comparisons)]
+            fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+                let src = &self[start..start + out.len()];
+                for (i, (&v, o)) in src.iter().zip(out.iter_mut()).enumerate() {
+                    if v < 0 || (v as i128) >= TOKEN_LIMIT as i128 {
+                        return Err(bad_token(start + i, v));
+                    }
+                    *o = v as i32;
+                }
+                Ok(())
+            }
+        }
+    )*};
+}
+token_ids_of!(i64, u64, u32, i16, u16, i8, u8);
+
+impl<T> TokenIds for &[T]
+where
+    [T]: TokenIds,
+{
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        (**self).read(start, out)
+    }
+    fn as_i32(&self) -> Option<&[i32]> {
+        (**self).as_i32()
+    }
+}
+
+impl<T> TokenIds for Vec<T>
+where
+    [T]: TokenIds,
+{
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        self.as_slice().read(start, out)
+    }
+    fn as_i32(&self) -> Option<&[i32]> {
+        self.as_slice().as_i32()
+    }
+}
+
+/// One request's chain: its namespace, the keys of the full blocks hashed so far, and the first and last of
+/// those blocks (to check that a later call still extends the same prompt).
 #[derive(Clone, Debug, Default)]
 pub struct Chain {
     namespace: Vec<u8>,
-    tokens: Vec<i32>,
+    first: Vec<i32>,
+    last: Vec<i32>,
     keys: Vec<Key>,
 }
 
@@ -120,34 +280,270 @@ impl Chain {
         &self.keys
     }
 
-    /// Extends the chain to cover every full block of `tokens`, rehashing only from the first block that differs
-    /// from what was hashed before (a changed namespace rehashes everything). Returns the number of blocks hashed.
-    pub fn extend(&mut self, hasher: &BlockHasher, block_size: usize, namespace: &[u8], tokens: &[i32]) -> usize {
+    /// Tokens hashed so far (full blocks).
+    pub fn hashed_tokens(&self, block_size: usize) -> usize {
+        self.keys.len() * block_size
+    }
+
+    /// Why `tokens` under `namespace` do not extend what was hashed, if they do not. Reads at most two blocks.
+    pub fn mismatch<T: TokenIds + ?Sized>(
+        &self,
+        block_size: usize,
+        namespace: &[u8],
+        tokens: &T,
+    ) -> Result<Option<String>> {
+        if self.keys.is_empty() {
+            return Ok(None);
+        }
         if namespace != self.namespace.as_slice() {
+            return Ok(Some("its namespace differs from the one it was hashed under".to_owned()));
+        }
+        let hashed = self.hashed_tokens(block_size);
+        if tokens.len() < hashed {
+            return Ok(Some(format!("the prompt has {} tokens, fewer than the {hashed} already hashed", tokens.len())));
+        }
+        let mut buf = vec![0; block_size];
+        tokens.read(0, &mut buf)?;
+        if buf != self.first {
+            return Ok(Some(format!("its first block (tokens 0..{block_size}) differs from the one hashed")));
+        }
+        tokens.read(hashed - block_size, &mut buf)?;
+        if buf != self.last {
+            return Ok(Some(format!(
+                "its block at tokens {}..{hashed} differs from the one hashed",
+                hashed - block_size
+            )));
+        }
+        Ok(None)
+    }
+
+    /// Extends the chain over the full blocks of `tokens` past those hashed; the caller has checked `mismatch`.
+    /// Reads (and range-checks) only the tokens past those hashed. Returns the number of blocks hashed.
+    pub fn extend<T: TokenIds + ?Sized>(
+        &mut self,
+        hasher: &BlockHasher,
+        block_size: usize,
+        namespace: &[u8],
+        tokens: &T,
+    ) -> Result<usize> {
+        let (from, to) = (self.keys.len(), tokens.len() / block_size);
+        // The partial block after the full ones is not hashed, but its ids are checked like the others.
+        let tail = (to * block_size).max(from * block_size)..tokens.len();
+        if !tail.is_empty() {
+            tokens.read(tail.start, &mut vec![0; tail.len()])?;
+        }
+        if to <= from {
+            return Ok(0);
+        }
+        let owned;
+        let new: &[i32] = match tokens.as_i32() {
+            Some(all) => {
+                let new = &all[from * block_size..to * block_size];
+                check_i32(new, from * block_size)?;
+                new
+            }
+            None => {
+                let mut buf = vec![0; (to - from) * block_size];
+                tokens.read(from * block_size, &mut buf)?;
+                owned = buf;
+                &owned
+            }
+        };
+        if from == 0 {
             self.namespace = namespace.to_vec();
-            self.tokens.clear();
-            self.keys.clear();
+            self.first = new[..block_size].to_vec();
         }
-        let full = tokens.len() / block_size;
-        let same = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
-        let keep = (same / block_size).min(full);
-        self.keys.truncate(keep);
-        self.tokens.truncate(keep * block_size);
-        let mut prev = self.keys.last().copied().unwrap_or_else(|| hasher.root(namespace));
-        for block in tokens[keep * block_size..full * block_size].chunks_exact(block_size) {
-            prev = hasher.next(prev, block);
-            self.keys.push(prev);
-        }
-        self.tokens.extend_from_slice(&tokens[keep * block_size..full * block_size]);
-        full - keep
+        let prev = self.keys.last().copied().unwrap_or_else(|| hasher.root(namespace));
+        hasher.extend(prev, new, block_size, &mut self.keys);
+        self.last = new[new.len() - block_size..].to_vec();
+        Ok(to - from)
     }
 }
 
-/// Validates a prompt's token ids: every id must be non-negative.
-pub fn check_tokens(tokens: &[i32]) -> Result<()> {
-    match tokens.iter().position(|&t| t < 0) {
-        None => Ok(()),
-        Some(i) => Err(invalid(format!("token ids must be >= 0, got {} at position {i}", tokens[i]))),
+/// Keyed BLAKE3 of short inputs (one chunk, at most 1024 bytes) written out from the specification, so that many
+/// independent blocks can be digested at once, one per SIMD lane, and a chain step costs one compression. Every
+/// output equals `blake3::keyed_hash` (tested against it).
+// Loops run over lanes and words by index on purpose: that is the shape the vectorizer turns into SIMD.
+#[allow(clippy::needless_range_loop)]
+mod lanes {
+    use super::Key;
+
+    /// A chunk: the longest input one lane digests.
+    pub const MAX_BYTES: usize = 1024;
+    /// Lanes of the wide path (AVX-512: sixteen 32-bit words a register).
+    const WIDE: usize = 16;
+
+    const IV: [u32; 8] =
+        [0x6A09_E667, 0xBB67_AE85, 0x3C6E_F372, 0xA54F_F53A, 0x510E_527F, 0x9B05_688C, 0x1F83_D9AB, 0x5BE0_CD19];
+    /// Message word order of each of the seven rounds.
+    const SCHEDULE: [[usize; 16]; 7] = [
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+        [2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8],
+        [3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1],
+        [10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6],
+        [12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4],
+        [9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7],
+        [11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13],
+    ];
+    const CHUNK_START: u32 = 1;
+    const CHUNK_END: u32 = 2;
+    const ROOT: u32 = 8;
+    const KEYED_HASH: u32 = 16;
+    /// Flags of the one block of a one-block keyed hash.
+    const ONE_BLOCK: u32 = KEYED_HASH | CHUNK_START | CHUNK_END | ROOT;
+
+    /// A word in each of `L` lanes.
+    type V<const L: usize> = [u32; L];
+
+    pub fn words(b: &[u8; 32]) -> [u32; 8] {
+        std::array::from_fn(|i| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")))
+    }
+
+    pub fn bytes(w: &[u32; 8]) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        for (chunk, x) in b.chunks_exact_mut(4).zip(w) {
+            chunk.copy_from_slice(&x.to_le_bytes());
+        }
+        b
+    }
+
+    pub fn wide_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    #[inline(always)]
+    fn g<const L: usize>(s: &mut [V<L>; 16], [a, b, c, d]: [usize; 4], x: &V<L>, y: &V<L>) {
+        for i in 0..L {
+            s[a][i] = s[a][i].wrapping_add(s[b][i]).wrapping_add(x[i]);
+            s[d][i] = (s[d][i] ^ s[a][i]).rotate_right(16);
+            s[c][i] = s[c][i].wrapping_add(s[d][i]);
+            s[b][i] = (s[b][i] ^ s[c][i]).rotate_right(12);
+            s[a][i] = s[a][i].wrapping_add(s[b][i]).wrapping_add(y[i]);
+            s[d][i] = (s[d][i] ^ s[a][i]).rotate_right(8);
+            s[c][i] = s[c][i].wrapping_add(s[d][i]);
+            s[b][i] = (s[b][i] ^ s[c][i]).rotate_right(7);
+        }
+    }
+
+    // Rounds are spelled out (not a loop over SCHEDULE) so that every index is a constant and the state stays in
+    // registers.
+    #[inline(always)]
+    fn round<const L: usize>(s: &mut [V<L>; 16], m: &[V<L>; 16], r: &[usize; 16]) {
+        g(s, [0, 4, 8, 12], &m[r[0]], &m[r[1]]);
+        g(s, [1, 5, 9, 13], &m[r[2]], &m[r[3]]);
+        g(s, [2, 6, 10, 14], &m[r[4]], &m[r[5]]);
+        g(s, [3, 7, 11, 15], &m[r[6]], &m[r[7]]);
+        g(s, [0, 5, 10, 15], &m[r[8]], &m[r[9]]);
+        g(s, [1, 6, 11, 12], &m[r[10]], &m[r[11]]);
+        g(s, [2, 7, 8, 13], &m[r[12]], &m[r[13]]);
+        g(s, [3, 4, 9, 14], &m[r[14]], &m[r[15]]);
+    }
+
+    /// One compression (chunk counter 0) in each lane; `cv` becomes the first half of the output.
+    #[inline(always)]
+    fn compress<const L: usize>(cv: &mut [V<L>; 8], m: &[V<L>; 16], block_len: u32, flags: u32) {
+        let mut s = [[0u32; L]; 16];
+        s[..8].copy_from_slice(cv);
+        for i in 0..4 {
+            s[8 + i] = [IV[i]; L];
+        }
+        s[14] = [block_len; L];
+        s[15] = [flags; L];
+        round(&mut s, m, &SCHEDULE[0]);
+        round(&mut s, m, &SCHEDULE[1]);
+        round(&mut s, m, &SCHEDULE[2]);
+        round(&mut s, m, &SCHEDULE[3]);
+        round(&mut s, m, &SCHEDULE[4]);
+        round(&mut s, m, &SCHEDULE[5]);
+        round(&mut s, m, &SCHEDULE[6]);
+        for i in 0..8 {
+            for l in 0..L {
+                cv[i][l] = s[i][l] ^ s[i + 8][l];
+            }
+        }
+    }
+
+    /// `keyed_hash(key, prev || digest)` truncated to a key: one compression.
+    #[inline(always)]
+    pub fn chain_step(key: &[u32; 8], prev: Key, digest: &[u32; 8]) -> Key {
+        let mut m = [[0u32; 1]; 16];
+        for (w, slot) in m.iter_mut().take(4).enumerate() {
+            slot[0] = (prev >> (32 * w)) as u32;
+        }
+        for w in 0..8 {
+            m[4 + w][0] = digest[w];
+        }
+        let mut cv: [V<1>; 8] = std::array::from_fn(|i| [key[i]]);
+        compress(&mut cv, &m, 48, ONE_BLOCK);
+        (0..4).fold(0, |k, w| k | Key::from(cv[w][0]) << (32 * w))
+    }
+
+    /// `keyed_hash(key, block bytes)` of `L` consecutive blocks of `block_size` ids (at most 1024 bytes each).
+    #[inline(always)]
+    fn digest_lanes<const L: usize>(key: &[u32; 8], tokens: &[i32], block_size: usize) -> [V<L>; 8] {
+        let bytes = block_size * 4;
+        let blocks = bytes.div_ceil(64);
+        let mut cv: [V<L>; 8] = std::array::from_fn(|i| [key[i]; L]);
+        let mut m = [[0u32; L]; 16];
+        for b in 0..blocks {
+            let words = (block_size - 16 * b).min(16);
+            for l in 0..L {
+                let src = &tokens[l * block_size + 16 * b..l * block_size + 16 * b + words];
+                for (w, &t) in src.iter().enumerate() {
+                    m[w][l] = t as u32;
+                }
+                for mw in m.iter_mut().skip(words) {
+                    mw[l] = 0;
+                }
+            }
+            let mut flags = KEYED_HASH;
+            if b == 0 {
+                flags |= CHUNK_START;
+            }
+            if b == blocks - 1 {
+                flags |= CHUNK_END | ROOT;
+            }
+            compress(&mut cv, &m, (words * 4) as u32, flags);
+        }
+        cv
+    }
+
+    /// Chains as many whole groups of 16 blocks of `tokens` as there are, digesting each group in AVX-512 lanes;
+    /// appends their keys to `out` and returns the number of blocks done.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
+    pub unsafe fn chain_wide(
+        block_key: &[u32; 8],
+        chain_key: &[u32; 8],
+        mut prev: Key,
+        tokens: &[i32],
+        block_size: usize,
+        out: &mut Vec<Key>,
+    ) -> usize {
+        let groups = tokens.len() / block_size / WIDE;
+        for group in tokens.chunks_exact(WIDE * block_size).take(groups) {
+            let d = digest_lanes::<WIDE>(block_key, group, block_size);
+            for l in 0..WIDE {
+                prev = chain_step(chain_key, prev, &std::array::from_fn(|w| d[w][l]));
+                out.push(prev);
+            }
+        }
+        groups * WIDE
+    }
+
+    #[cfg(test)]
+    pub fn digest_one(key: &[u32; 8], block: &[i32]) -> [u32; 8] {
+        let d = digest_lanes::<1>(key, block, block.len());
+        std::array::from_fn(|w| d[w][0])
     }
 }
 
@@ -159,55 +555,114 @@ mod tests {
         (0..n as i32).map(|i| (i * 7919 + seed) % 50_000).collect()
     }
 
+    fn chain_of(h: &BlockHasher, bs: usize, ns: &[u8], t: &[i32]) -> Vec<Key> {
+        let mut c = Chain::default();
+        c.extend(h, bs, ns, t).unwrap();
+        c.keys().to_vec()
+    }
+
+    /// Each key is exactly keyed BLAKE3 of the spec: `C(prev, D(block))`, computed here with the blake3 crate.
     #[test]
-    fn chained_keys_depend_on_the_whole_prefix() {
-        let h = BlockHasher::new(HashKind::Blake3, b"");
-        let a = toks(64, 1);
-        let mut b = a.clone();
-        b[3] += 1;
-        let (mut ca, mut cb) = (Chain::default(), Chain::default());
-        ca.extend(&h, 16, b"", &a);
-        cb.extend(&h, 16, b"", &b);
-        assert!(ca.keys().iter().zip(cb.keys()).all(|(x, y)| x != y));
+    fn blake3_keys_equal_the_reference_construction() {
+        let h = BlockHasher::new(HashKind::Blake3, b"secret");
+        let key = blake3::derive_key(KEY_CONTEXT, b"secret");
+        let (kb, kc) = (blake3::keyed_hash(&key, b"block"), blake3::keyed_hash(&key, b"chain"));
+        for bs in [1, 3, 4, 15, 16, 17, 64, 100, 256, 257, 300] {
+            let t = toks(bs * 37 + 5, bs as i32);
+            let mut prev: Key = 0;
+            let mut want = Vec::new();
+            for block in t.chunks_exact(bs) {
+                let d = blake3::keyed_hash(kb.as_bytes(), token_bytes(block));
+                let mut m = prev.to_le_bytes().to_vec();
+                m.extend_from_slice(d.as_bytes());
+                prev = u128::from_le_bytes(blake3::keyed_hash(kc.as_bytes(), &m).as_bytes()[..16].try_into().unwrap());
+                want.push(prev);
+            }
+            assert_eq!(chain_of(&h, bs, b"", &t), want, "block size {bs}");
+            let narrow = BlockHasher { wide: false, ..h.clone() };
+            assert_eq!(chain_of(&narrow, bs, b"", &t), want, "block size {bs}, one block at a time");
+            if bs * 4 <= lanes::MAX_BYTES {
+                let one = lanes::digest_one(&h.block_key, &t[..bs]);
+                assert_eq!(lanes::bytes(&one), *blake3::keyed_hash(kb.as_bytes(), token_bytes(&t[..bs])).as_bytes());
+            }
+        }
     }
 
     #[test]
-    fn extend_hashes_only_new_or_changed_blocks() {
+    fn chained_keys_depend_on_the_whole_prefix() {
+        for kind in [HashKind::Blake3, HashKind::Xxh3] {
+            let h = BlockHasher::new(kind, b"");
+            let a = toks(64 * 40, 1);
+            let mut b = a.clone();
+            b[3] += 1;
+            let (ka, kb) = (chain_of(&h, 64, b"", &a), chain_of(&h, 64, b"", &b));
+            assert!(ka.iter().zip(&kb).all(|(x, y)| x != y));
+            assert_eq!(h.next(ka[0], &a[64..128]), ka[1]);
+        }
+    }
+
+    #[test]
+    fn extend_hashes_only_new_blocks() {
         for kind in [HashKind::Blake3, HashKind::Xxh3] {
             let h = BlockHasher::new(kind, b"k");
             let t = toks(100, 3);
             let mut c = Chain::default();
-            assert_eq!(c.extend(&h, 16, b"", &t[..40]), 2);
-            assert_eq!(c.extend(&h, 16, b"", &t), 4);
-            let mut fresh = Chain::default();
-            fresh.extend(&h, 16, b"", &t);
-            assert_eq!(c.keys(), fresh.keys());
-            let mut changed = t.clone();
-            changed[50] = 9;
-            assert_eq!(c.extend(&h, 16, b"", &changed), 3, "blocks 3..6 rehashed");
-            assert_eq!(c.keys()[..3], fresh.keys()[..3]);
-            assert_ne!(c.keys()[3], fresh.keys()[3]);
+            assert_eq!(c.extend(&h, 16, b"", &t[..40]).unwrap(), 2);
+            assert_eq!(c.mismatch(16, b"", &t[..]).unwrap(), None);
+            assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 4);
+            assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 0);
+            assert_eq!(c.keys(), chain_of(&h, 16, b"", &t));
         }
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_extend_the_chain_is_named() {
+        let h = BlockHasher::new(HashKind::Blake3, b"");
+        let t = toks(64, 3);
+        let mut c = Chain::default();
+        c.extend(&h, 16, b"", &t[..]).unwrap();
+        let why = |ns: &[u8], p: &[i32]| c.mismatch(16, ns, p).unwrap().unwrap_or_default();
+        assert!(why(b"", &t[..50]).contains("50 tokens, fewer than the 64"));
+        assert!(why(b"x", &t[..]).contains("namespace"));
+        let mut first = t.clone();
+        first[2] += 1;
+        assert!(why(b"", &first).contains("first block"));
+        let mut last = t.clone();
+        last[63] += 1;
+        assert!(why(b"", &last).contains("tokens 48..64"));
+        let mut middle = t.clone();
+        middle[20] += 1;
+        assert_eq!(why(b"", &middle), "", "only the first and last hashed blocks are compared");
     }
 
     #[test]
     fn namespaces_and_hash_keys_separate_chains() {
         let t = toks(32, 5);
-        let key_of = |h: &BlockHasher, ns: &[u8]| {
-            let mut c = Chain::default();
-            c.extend(h, 16, ns, &t);
-            c.keys().to_vec()
-        };
         let h = BlockHasher::new(HashKind::Blake3, b"");
-        assert_ne!(key_of(&h, b""), key_of(&h, b"tenant-a"));
-        assert_ne!(key_of(&h, b"tenant-a"), key_of(&h, b"tenant-b"));
-        assert_ne!(key_of(&h, b""), key_of(&BlockHasher::new(HashKind::Blake3, b"secret"), b""));
-        assert_ne!(key_of(&h, b""), key_of(&BlockHasher::new(HashKind::Xxh3, b""), b""));
+        assert_ne!(chain_of(&h, 16, b"", &t), chain_of(&h, 16, b"tenant-a", &t));
+        assert_ne!(chain_of(&h, 16, b"tenant-a", &t), chain_of(&h, 16, b"tenant-b", &t));
+        assert_ne!(chain_of(&h, 16, b"", &t), chain_of(&BlockHasher::new(HashKind::Blake3, b"secret"), 16, b"", &t));
+        assert_ne!(chain_of(&h, 16, b"", &t), chain_of(&BlockHasher::new(HashKind::Xxh3, b""), 16, b"", &t));
     }
 
     #[test]
-    fn negative_tokens_are_rejected_with_their_position() {
-        let err = check_tokens(&[1, 2, -5]).unwrap_err();
-        assert!(err.to_string().contains("-5 at position 2"), "{err}");
+    fn every_integer_width_gives_the_same_keys_and_bad_ids_are_named() {
+        let h = BlockHasher::new(HashKind::Blake3, b"");
+        let t = toks(48, 9);
+        let want = chain_of(&h, 16, b"", &t);
+        let wide: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
+        let mut c = Chain::default();
+        c.extend(&h, 16, b"", &wide).unwrap();
+        assert_eq!(c.keys(), want);
+        let err = Chain::default().extend(&h, 16, b"", &[1, 2, -5][..]).unwrap_err();
+        assert!(err.to_string().contains("token_ids[2] = -5"), "the partial block is checked too: {err}");
+        let mut bad = wide.clone();
+        bad[20] = 1 << 31;
+        let err = Chain::default().extend(&h, 16, b"", &bad).unwrap_err();
+        assert!(err.to_string().contains("token_ids[20] = 2147483648"), "{err}");
+        let mut neg = t.clone();
+        neg[33] = -1;
+        let err = Chain::default().extend(&h, 16, b"", &neg).unwrap_err();
+        assert!(err.to_string().contains("token_ids[33] = -1"), "{err}");
     }
 }

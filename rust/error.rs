@@ -9,6 +9,10 @@ pub enum Error {
     /// A request id the index has no chain for.
     #[error("unknown request id {0:?}")]
     UnknownRequest(String),
+    /// A request id used for a prompt that does not extend the tokens already hashed for it (the id was reused
+    /// without `forget`).
+    #[error("request {request:?} was hashed for another prompt: {reason}; a request's tokens may only grow until it is forgotten")]
+    PromptMismatch { request: String, reason: String },
     /// A ticket id that is not in flight (already completed or aborted, or never issued).
     #[error("unknown ticket {0}")]
     UnknownTicket(u64),

@@ -4,7 +4,7 @@
 //! (entries become ready, references drop) or aborted (new entries are discarded).
 use std::collections::HashMap;
 
-use crate::chain::{check_tokens, BlockHasher, Chain, HashKind, Key};
+use crate::chain::{BlockHasher, Chain, HashKind, Key, TokenIds};
 use crate::error::{invalid, Error, Result};
 use crate::pool::Pool;
 use crate::stats::Stats;
@@ -52,7 +52,7 @@ pub struct Lookup {
     pub limit_pages: usize,
 }
 
-/// A load begun: the slots to copy host -> GPU, pinned until the ticket completes.
+/// A load begun: the slots to copy host -> GPU, held (acquired) until the ticket completes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadPlan {
     pub ticket: u64,
@@ -76,7 +76,9 @@ pub struct StorePlan {
 
 #[derive(Debug)]
 enum TicketKind {
-    Load { hit_tokens: usize },
+    Load {
+        hit_tokens: usize,
+    },
     Store,
     /// Ready entries held while an L3 put reads them.
     Hold,
@@ -84,7 +86,7 @@ enum TicketKind {
     Fetch,
 }
 
-/// Entries pinned for an L3 put (`hold`) or reserved for an L3 get (`plan_fetch`): one slot per key given, None
+/// Entries held for an L3 put (`hold`) or reserved for an L3 get (`plan_fetch`): one slot per key given, None
 /// where the key was skipped (not ready on the host for a hold; already present for a fetch).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotPlan {
@@ -93,7 +95,7 @@ pub struct SlotPlan {
     pub state_slots: Vec<Option<u32>>,
 }
 
-/// Entries a ticket pins. `new_*` were reserved by a store (not ready until completion); the rest were ready and
+/// Entries a ticket holds (one reference each). `new_*` were reserved by a store (not ready until completion); the rest were ready and
 /// are only held. Pages are in prompt order.
 #[derive(Debug)]
 struct Ticket {
@@ -169,12 +171,37 @@ impl Index {
         self.states.grow(usable_states);
     }
 
-    /// Hashes `tokens` into the request's chain (extending it) and returns the chain keys.
-    pub fn chain(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32]) -> Result<&[Key]> {
-        check_tokens(tokens)?;
-        let req = self.requests.entry(request_id.to_owned()).or_default();
-        req.chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens);
-        Ok(req.chain.keys())
+    /// Hashes `tokens` into the request's chain and returns the chain keys.
+    ///
+    /// A request's tokens only grow until `forget`: a call for a known request checks that the prompt extends
+    /// what was hashed (it is at least as long, and its first and last hashed blocks are the same; the blocks in
+    /// between are not compared) and hashes only the new full blocks, reading only those tokens. A prompt that
+    /// does not extend the chain is `Error::PromptMismatch` (a request id reused without `forget`).
+    pub fn chain<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<&[Key]> {
+        let bs = self.cfg.block_size;
+        let fresh = !self.requests.contains_key(request_id);
+        if fresh {
+            self.requests.insert(request_id.to_owned(), Request::default());
+        }
+        let req = self.requests.get_mut(request_id).expect("inserted above");
+        let outcome = match req.chain.mismatch(bs, namespace, tokens) {
+            Ok(Some(reason)) => Err(Error::PromptMismatch { request: request_id.to_owned(), reason }),
+            Ok(None) => req.chain.extend(&self.hasher, bs, namespace, tokens),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = outcome {
+            if fresh {
+                self.requests.remove(request_id); // a refused call leaves no trace
+            }
+            return Err(e);
+        }
+        Ok(self.requests[request_id].chain.keys())
+    }
+
+    /// Tokens hashed so far for a request (0 for an unknown one): a caller reading tokens from a list reads the
+    /// first and last hashed blocks and what follows them, nothing else.
+    pub fn hashed_tokens(&self, request_id: &str) -> usize {
+        self.requests.get(request_id).map_or(0, |r| r.chain.hashed_tokens(self.cfg.block_size))
     }
 
     /// The chain keys of a request hashed so far.
@@ -187,7 +214,7 @@ impl Index {
     }
 
     /// What a resume of this prompt would restore now. Counts the request in the lookup statistics once.
-    pub fn lookup(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32]) -> Result<Lookup> {
+    pub fn lookup<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<Lookup> {
         self.chain(request_id, namespace, tokens)?;
         let req = self.requests.get_mut(request_id).expect("chained above");
         if !req.counted {
@@ -199,10 +226,9 @@ impl Index {
     }
 
     /// What a lookup of this prompt would answer now, keeping nothing: no chain, no statistics.
-    pub fn peek(&self, namespace: &[u8], tokens: &[i32]) -> Result<Lookup> {
-        check_tokens(tokens)?;
+    pub fn peek<T: TokenIds + ?Sized>(&self, namespace: &[u8], tokens: &T) -> Result<Lookup> {
         let mut chain = Chain::default();
-        chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens);
+        chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens)?;
         Ok(self.probe(chain.keys(), tokens.len()))
     }
 
@@ -230,7 +256,7 @@ impl Index {
         Ok(())
     }
 
-    /// Pins the first `hit_tokens / block_size` pages (and the state at that boundary) for a host -> GPU copy.
+    /// Acquires the first `hit_tokens / block_size` pages (and the state at that boundary) for a host -> GPU copy.
     /// Fails with `Stale` if any of them is no longer ready on the host.
     pub fn begin_load(&mut self, request_id: &str, hit_tokens: usize) -> Result<LoadPlan> {
         let bs = self.cfg.block_size;
@@ -245,16 +271,13 @@ impl Index {
         let stale = || Error::Stale(request_id.to_owned());
         let page_slots: Vec<u32> =
             keys[..n].iter().map(|&k| self.pages.ready_slot(k)).collect::<Option<_>>().ok_or_else(stale)?;
-        let state_slot = if self.has_states() {
-            Some(self.states.ready_slot(keys[n - 1]).ok_or_else(stale)?)
-        } else {
-            None
-        };
+        let state_slot =
+            if self.has_states() { Some(self.states.ready_slot(keys[n - 1]).ok_or_else(stale)?) } else { None };
         for &s in &page_slots {
-            self.pages.pin(s)?;
+            self.pages.acquire(s)?;
         }
         if let Some(s) = state_slot {
-            self.states.pin(s)?;
+            self.states.acquire(s)?;
         }
         self.stats.hits += 1;
         self.stats.hit_tokens += hit_tokens as u64;
@@ -266,70 +289,99 @@ impl Index {
         Ok(LoadPlan { ticket, hit_tokens, page_slots, state_slot })
     }
 
-    /// Plans the write-through store of a prompt's full blocks. Pages already on the host are held (and touched
-    /// on completion); missing ones get slots, as many as fit, in prompt order. States are planned at the deepest
-    /// `state_lookback_blocks` boundaries whose window is still in the engine's ring (`b >= seq_len - ring_slack`)
-    /// and whose pages are all on the host, newest first, as many as fit.
-    pub fn plan_store(&mut self, request_id: &str, namespace: &[u8], tokens: &[i32], seq_len: usize) -> Result<StorePlan> {
+    /// Plans the write-through store of a prompt's full blocks (the rules: docs/INDEX.md).
+    ///
+    /// - A prompt whose full blocks hold fewer than `min_hit_tokens` tokens stores nothing: it could never hit.
+    /// - Pages already on the host are acquired first, so reserving the missing ones never evicts the prompt's own
+    ///   prefix; they are touched (LRU) when the ticket completes. Missing pages get slots in prompt order.
+    /// - States: at most `state_lookback_blocks` boundaries, the prompt's deepest ones, each at or above
+    ///   `min_hit_tokens`, with all its pages on the host, and still in the engine's ring
+    ///   (`b >= seq_len - ring_slack`). States already there are acquired first; missing ones get slots deepest
+    ///   first, as many as fit.
+    /// - When the page pool cannot take every missing page, a model without states stores the first pages that
+    ///   fit; a model with states stores new pages only up to the deepest boundary whose state is stored (a run
+    ///   that ends at no state can never hit), and none when there is no such boundary.
+    pub fn plan_store<T: TokenIds + ?Sized>(
+        &mut self,
+        request_id: &str,
+        namespace: &[u8],
+        tokens: &T,
+        seq_len: usize,
+    ) -> Result<StorePlan> {
         if seq_len < tokens.len() {
             return Err(invalid(format!("seq_len must be >= the {} prompt tokens, got {seq_len}", tokens.len())));
         }
         let keys = self.chain(request_id, namespace, tokens)?.to_vec();
         let bs = self.cfg.block_size;
+        if keys.len() * bs < self.cfg.min_hit_tokens {
+            let ticket = self.issue(Ticket { kind: TicketKind::Store, pages: Vec::new(), states: Vec::new() });
+            return Ok(StorePlan { ticket, ..StorePlan::default() });
+        }
 
-        // Hold the ready pages first so that reserving the missing ones cannot evict them.
-        let mut held = Vec::new();
+        // Pages: acquire the ready ones; find the missing ones and how many of them fit.
+        let mut pages: Vec<(usize, u32, bool)> = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
         for (i, &k) in keys.iter().enumerate() {
             match self.pages.slot_of(k) {
                 Some(s) if self.pages.entry(s).is_some_and(|e| e.ready) => {
-                    self.pages.pin(s)?;
-                    held.push((i, s));
+                    self.pages.acquire(s)?;
+                    pages.push((i, s, false));
                 }
                 Some(_) => {} // another store is filling it
                 None => missing.push(i),
             }
         }
         let pages_wanted = !missing.is_empty();
-        let take = missing.len().min(self.pages.available());
-        missing.truncate(take);
-        let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
-        let (new_slots, _) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+        let fit = missing.len().min(self.pages.available());
+        // Pages 0..run are on the host once the first `fit` missing pages are in.
+        let run = missing.get(fit).copied().unwrap_or(keys.len());
 
-        let mut pages: Vec<(usize, u32, bool)> = held.iter().map(|&(i, s)| (i, s, false)).collect();
-        pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
-        pages.sort_unstable_by_key(|p| p.0);
-        let run = keys.iter().take_while(|&&k| self.pages.slot_of(k).is_some()).count();
-
+        // States at the candidate boundaries (in blocks), deepest first: present ones acquired before any is
+        // reserved, so a reservation never evicts a state of this prompt.
         let mut states = Vec::new();
         let mut state_boundaries = Vec::new();
         let mut state_slots = Vec::new();
         let mut states_wanted = false;
+        let mut deepest_state = 0;
         if self.has_states() {
-            let lowest = keys.len().saturating_sub(self.cfg.state_lookback_blocks).max(1);
-            for blocks in (lowest..=run).rev() {
-                let b = blocks * bs;
-                if b + self.cfg.ring_slack < seq_len {
-                    break;
-                }
-                let k = keys[blocks - 1];
-                match self.states.slot_of(k) {
-                    Some(s) if self.states.entry(s).is_some_and(|e| e.ready) => {
-                        self.states.pin(s)?;
-                        states.push((s, false));
-                    }
-                    Some(_) => {}
-                    None => {
-                        states_wanted = true;
-                        if let Some((slots, _)) = self.states.reserve(&[k]) {
-                            states.push((slots[0], true));
-                            state_boundaries.push(b);
-                            state_slots.push(slots[0]);
+            let lowest = (keys.len() + 1).saturating_sub(self.cfg.state_lookback_blocks).max(1);
+            let lowest = lowest.max(self.cfg.min_hit_tokens.div_ceil(bs));
+            let candidates: Vec<usize> =
+                (lowest..=run).rev().take_while(|&blocks| blocks * bs + self.cfg.ring_slack >= seq_len).collect();
+            let mut absent = Vec::new();
+            for &blocks in &candidates {
+                match self.states.slot_of(keys[blocks - 1]) {
+                    Some(s) => {
+                        if self.states.entry(s).is_some_and(|e| e.ready) {
+                            self.states.acquire(s)?;
+                            states.push((s, false));
                         }
+                        deepest_state = deepest_state.max(blocks);
                     }
+                    None => absent.push(blocks),
+                }
+            }
+            states_wanted = !absent.is_empty();
+            for blocks in absent {
+                if let Some((slots, _)) = self.states.reserve(&[keys[blocks - 1]]) {
+                    states.push((slots[0], true));
+                    state_boundaries.push(blocks * bs);
+                    state_slots.push(slots[0]);
+                    deepest_state = deepest_state.max(blocks);
                 }
             }
         }
+
+        let take = if fit < missing.len() && self.has_states() {
+            missing[..fit].partition_point(|&i| i < deepest_state)
+        } else {
+            fit
+        };
+        missing.truncate(take);
+        let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
+        let (new_slots, _) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+        pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
+        pages.sort_unstable_by_key(|p| p.0);
 
         if !new_slots.is_empty() || !state_slots.is_empty() {
             self.stats.stores += 1;
@@ -350,12 +402,12 @@ impl Index {
         })
     }
 
-    /// Pins the ready entries of these keys (an L3 put reads them) until the ticket completes.
+    /// Holds (acquires) the ready entries of these keys (an L3 put reads them) until the ticket completes.
     pub fn hold(&mut self, page_keys: &[Key], state_keys: &[Key]) -> Result<SlotPlan> {
-        fn pin_ready(pool: &mut Pool, keys: &[Key], held: &mut Vec<(u32, bool)>) -> Result<Vec<Option<u32>>> {
+        fn acquire_ready(pool: &mut Pool, keys: &[Key], held: &mut Vec<(u32, bool)>) -> Result<Vec<Option<u32>>> {
             keys.iter()
                 .map(|&k| match pool.ready_slot(k) {
-                    Some(s) => pool.pin(s).map(|()| {
+                    Some(s) => pool.acquire(s).map(|()| {
                         held.push((s, false));
                         Some(s)
                     }),
@@ -364,8 +416,8 @@ impl Index {
                 .collect()
         }
         let (mut pages, mut states) = (Vec::new(), Vec::new());
-        let page_slots = pin_ready(&mut self.pages, page_keys, &mut pages)?;
-        let state_slots = pin_ready(&mut self.states, state_keys, &mut states)?;
+        let page_slots = acquire_ready(&mut self.pages, page_keys, &mut pages)?;
+        let state_slots = acquire_ready(&mut self.states, state_keys, &mut states)?;
         let ticket = self.issue(Ticket { kind: TicketKind::Hold, pages, states });
         Ok(SlotPlan { ticket, page_slots, state_slots })
     }
@@ -415,14 +467,14 @@ impl Index {
                 self.pages.mark_ready(s)?;
                 self.stats.pages_stored += u64::from(stored);
             }
-            self.pages.unpin(s)?;
+            self.pages.release(s)?;
         }
         for &(s, new) in &t.states {
             if new {
                 self.states.mark_ready(s)?;
                 self.stats.states_stored += u64::from(stored);
             }
-            self.states.unpin(s)?;
+            self.states.release(s)?;
         }
         if let TicketKind::Load { .. } = t.kind {
             self.stats.pages_loaded += t.pages.len() as u64;
@@ -439,14 +491,14 @@ impl Index {
             if new {
                 self.pages.discard(s)?;
             } else {
-                self.pages.unpin(s)?;
+                self.pages.release(s)?;
             }
         }
         for &(s, new) in &t.states {
             if new {
                 self.states.discard(s)?;
             } else {
-                self.states.unpin(s)?;
+                self.states.release(s)?;
             }
         }
         if let TicketKind::Load { hit_tokens } = t.kind {
@@ -472,16 +524,22 @@ impl Index {
         self.states.check()?;
         let pages_of = |t: &Ticket| t.pages.clone();
         let states_of = |t: &Ticket| t.states.clone();
-        for (pool, name, held) in [(&self.pages, "page", &pages_of as &dyn Fn(&Ticket) -> _), (&self.states, "state", &states_of)] {
-            let mut expected = vec![0u32; pool.capacity() as usize];
+        for (pool, name, held) in
+            [(&self.pages, "page", &pages_of as &dyn Fn(&Ticket) -> _), (&self.states, "state", &states_of)]
+        {
+            let mut expected: HashMap<u32, u32> = HashMap::new();
             for (s, _) in self.tickets.values().flat_map(held) {
-                expected[s as usize] += 1;
+                *expected.entry(s).or_default() += 1;
             }
-            for (slot, &want) in expected.iter().enumerate() {
-                let have = pool.entry(slot as u32).map_or(0, |e| e.refs);
+            for slot in pool.slots_handed_out() {
+                let have = pool.entry(slot).map_or(0, |e| e.refs);
+                let want = expected.remove(&slot).unwrap_or(0);
                 if have != want {
                     return Err(Error::Invariant(format!("{name} slot {slot} has {have} refs, tickets hold {want}")));
                 }
+            }
+            if let Some((slot, want)) = expected.into_iter().next() {
+                return Err(Error::Invariant(format!("{name} slot {slot} was never used, tickets hold {want}")));
             }
         }
         Ok(())
@@ -492,26 +550,127 @@ impl Index {
 mod tests {
     use super::*;
 
-    fn index(pages: u32, states: u32) -> Index {
-        let cfg = Config {
+    fn config(pages: u32, states: u32, block_size: usize) -> Config {
+        Config {
             page_slots: pages,
             state_slots: states,
-            block_size: 4,
+            block_size,
             keep_tokens: 1,
             min_hit_tokens: 0,
             state_lookback_blocks: 4,
             ring_slack: 100,
             hash_kind: HashKind::Blake3,
             hash_key: Vec::new(),
-        };
-        Index::new(cfg, pages, states).unwrap()
+        }
+    }
+
+    fn index(pages: u32, states: u32) -> Index {
+        Index::new(config(pages, states, 4), pages, states).unwrap()
+    }
+
+    fn with(cfg: Config) -> Index {
+        let (p, s) = (cfg.page_slots, cfg.state_slots);
+        Index::new(cfg, p, s).unwrap()
+    }
+
+    fn ids(range: std::ops::Range<i32>) -> Vec<i32> {
+        range.collect()
+    }
+
+    fn stored(ix: &mut Index, rid: &str, t: &[i32]) -> StorePlan {
+        let p = ix.plan_store(rid, b"", t, t.len()).unwrap();
+        ix.complete(p.ticket).unwrap();
+        ix.check().unwrap();
+        p
+    }
+
+    /// Bug 1: a store of 8 tokens with min_hit 8 (bs 4) planned states at [8, 4].
+    #[test]
+    fn no_state_below_min_hit_tokens() {
+        let mut ix = with(Config { min_hit_tokens: 8, ..config(8, 4, 4) });
+        assert_eq!(stored(&mut ix, "a", &ids(0..8)).state_boundaries, vec![8]);
+    }
+
+    /// Bug 2: with lookback 1 a 24-token store planned states [24, 20]; lookback 0 still stored one.
+    #[test]
+    fn lookback_k_means_k_boundaries() {
+        for (k, want) in [(0, vec![]), (1, vec![24]), (2, vec![24, 20])] {
+            let mut ix = with(Config { state_lookback_blocks: k, ..config(8, 4, 4) });
+            assert_eq!(stored(&mut ix, "a", &ids(0..24)).state_boundaries, want, "lookback {k}");
+        }
+    }
+
+    /// Bug 3: bs 16, 2 state slots, lookback 2: a store of 64 tokens, then the same 64 + 16. Both end with states
+    /// {80, 64}; the second store must keep 64 (present) and evict 48, storing 3 states in all, not 4.
+    #[test]
+    fn a_store_never_evicts_its_own_present_state() {
+        let mut ix = with(Config { state_lookback_blocks: 2, min_hit_tokens: 32, ..config(16, 2, 16) });
+        let t = ids(0..80);
+        assert_eq!(stored(&mut ix, "a", &t[..64]).state_boundaries, vec![64, 48]);
+        let second = stored(&mut ix, "a", &t);
+        assert_eq!(second.state_boundaries, vec![80]);
+        assert_eq!(ix.stats().states_stored, 3);
+        let keys = ix.keys("a").unwrap().to_vec();
+        assert!(ix.states().ready_slot(keys[4]).is_some() && ix.states().ready_slot(keys[3]).is_some());
+    }
+
+    /// Behaviour 4: a 5-token prompt (bs 4, min_hit 8) stored page 0; below min_hit nothing is stored.
+    #[test]
+    fn a_prompt_below_min_hit_stores_nothing() {
+        let mut ix = with(Config { min_hit_tokens: 8, ..config(8, 0, 4) });
+        let p = stored(&mut ix, "a", &ids(0..5));
+        assert!(p.page_indices.is_empty() && p.state_boundaries.is_empty());
+        assert_eq!((ix.pages().used(), ix.stats().stores, ix.stats().store_skipped), (0, 0, 0));
+    }
+
+    /// Behaviour 5: a 40-token prompt that the pool cannot take flushed a 12-token prompt's pages for a run that
+    /// ends at no state, turning the short prompt's next turn from a 12-token hit into a miss.
+    #[test]
+    fn a_partial_run_is_stored_only_up_to_a_stored_state() {
+        let cfg = Config { state_lookback_blocks: 2, min_hit_tokens: 4, ..config(4, 2, 4) };
+        let mut ix = with(cfg.clone());
+        stored(&mut ix, "short", &ids(0..12));
+        let long = stored(&mut ix, "long", &ids(100..140));
+        assert!(long.page_indices.is_empty() && long.state_boundaries.is_empty(), "{long:?}");
+        assert_eq!(ix.stats().store_skipped, 1);
+        assert_eq!(ix.lookup("short", b"", &ids(0..16)).unwrap().hit_tokens, 12);
+
+        // A partial run that does end at a stored state is kept up to that state: 5 free pages for 6 missing.
+        let mut ix = with(Config { page_slots: 5, state_lookback_blocks: 6, ..cfg.clone() });
+        let p = stored(&mut ix, "a", &ids(0..24));
+        assert_eq!(p.page_indices, vec![0, 1, 2, 3, 4]);
+        assert_eq!(p.state_boundaries, vec![20, 16]);
+
+        // Without states the first pages that fit are stored.
+        let mut ix = with(Config { page_slots: 5, state_slots: 0, ..cfg });
+        assert_eq!(stored(&mut ix, "a", &ids(0..24)).page_indices, vec![0, 1, 2, 3, 4]);
     }
 
     #[test]
-    fn hold_pins_only_ready_entries_until_complete() {
+    fn a_reused_request_id_is_an_error_until_forgotten() {
+        let mut ix = index(8, 0);
+        ix.lookup("a", b"", &ids(0..16)).unwrap();
+        let err = ix.lookup("a", b"", &ids(50..70)).unwrap_err();
+        assert!(matches!(err, Error::PromptMismatch { .. }), "{err}");
+        assert!(err.to_string().contains("\"a\"") && err.to_string().contains("first block"), "{err}");
+        assert_eq!(ix.lookup("a", b"", &ids(0..20)).unwrap().limit_pages, 4, "a grown prompt is fine");
+        assert!(ix.forget("a"));
+        assert_eq!(ix.lookup("a", b"", &ids(50..70)).unwrap().limit_pages, 4);
+    }
+
+    #[test]
+    fn huge_pools_cost_nothing_until_used() {
+        let mut ix = with(config(2_000_000_000, 2_000_000_000, 4));
+        stored(&mut ix, "a", &ids(0..16));
+        assert_eq!(ix.pages().used(), 4);
+    }
+
+    #[test]
+    fn hold_acquires_only_ready_entries_until_complete() {
         let mut ix = index(8, 2);
         let t: Vec<i32> = (0..16).collect();
         let plan = ix.plan_store("a", b"", &t, 16).unwrap();
+        assert_eq!(plan.state_boundaries, vec![16, 12]);
         let keys = ix.keys("a").unwrap().to_vec();
         let early = ix.hold(&keys, &[]).unwrap();
         assert!(early.page_slots.iter().all(Option::is_none), "not ready yet");
@@ -537,7 +696,7 @@ mod tests {
         assert_eq!((ix.requests(), ix.stats().lookups), (requests, lookups), "peek keeps nothing");
         assert_eq!(peeked, ix.lookup("b", b"", &t).unwrap());
         assert_eq!(peeked.hit_tokens, 16);
-        assert!(ix.peek(b"", &[1, -1]).is_err());
+        assert!(ix.peek(b"", &[1, -1][..]).is_err());
     }
 
     #[test]
@@ -546,7 +705,7 @@ mod tests {
         let f = ix.plan_fetch(&[1, 2, 2, 3], &[3]).unwrap().unwrap();
         assert_eq!(f.page_slots[1], f.page_slots[2], "a duplicate key gets the same slot");
         assert_eq!(ix.pages().used(), 3, "duplicates reserved once");
-        assert!(ix.lookup("x", b"", &[0; 8]).unwrap().hit_tokens == 0);
+        assert!(ix.lookup("x", b"", &[0; 8][..]).unwrap().hit_tokens == 0);
         assert!(ix.plan_fetch(&[7, 8], &[]).unwrap().is_none(), "one free slot for two pages");
         ix.abort(f.ticket).unwrap();
         assert_eq!(ix.pages().used(), 0);
@@ -567,13 +726,38 @@ mod fuzz {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Lookup { rid: u8, prompt: (u8, u8), load: bool },
-        Store { rid: u8, prompt: (u8, u8), extra: u8 },
-        Finish { pick: u8, ok: bool },
-        Hold { prompt: (u8, u8) },
-        Fetch { keys: Vec<u8> },
-        Forget { rid: u8 },
-        Grow { pages: u8 },
+        Lookup {
+            rid: u8,
+            prompt: (u8, u8),
+            load: bool,
+        },
+        Store {
+            rid: u8,
+            prompt: (u8, u8),
+            extra: u8,
+        },
+        Finish {
+            pick: u8,
+            ok: bool,
+        },
+        Hold {
+            prompt: (u8, u8),
+        },
+        Fetch {
+            keys: Vec<u8>,
+        },
+        Forget {
+            rid: u8,
+        },
+        Grow {
+            pages: u8,
+        },
+        /// A request id used for an unrelated prompt without forget(): an error, or (when the prompt happens to
+        /// extend the chain's first and last blocks) accepted.
+        Reuse {
+            rid: u8,
+            prompt: (u8, u8),
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -582,15 +766,28 @@ mod fuzz {
             (0u8..6, prompt.clone(), any::<bool>()).prop_map(|(rid, prompt, load)| Op::Lookup { rid, prompt, load }),
             (0u8..6, prompt.clone(), 0u8..12).prop_map(|(rid, prompt, extra)| Op::Store { rid, prompt, extra }),
             (any::<u8>(), any::<bool>()).prop_map(|(pick, ok)| Op::Finish { pick, ok }),
-            prompt.prop_map(|prompt| Op::Hold { prompt }),
+            prompt.clone().prop_map(|prompt| Op::Hold { prompt }),
             prop::collection::vec(any::<u8>(), 0..6).prop_map(|keys| Op::Fetch { keys }),
             (0u8..6).prop_map(|rid| Op::Forget { rid }),
             (0u8..32).prop_map(|pages| Op::Grow { pages }),
+            (0u8..6, prompt.clone()).prop_map(|(rid, prompt)| Op::Reuse { rid, prompt }),
         ]
     }
 
     fn tokens(base: u8, len: u8) -> Vec<i32> {
-        (0..i32::from(len)).map(|i| (i * 31 + i32::from(base) * 7) % 97 + i32::from(base) * 1000 * i32::from(i > 20)).collect()
+        (0..i32::from(len))
+            .map(|i| (i * 31 + i32::from(base) * 7) % 97 + i32::from(base) * 1000 * i32::from(i > 20))
+            .collect()
+    }
+
+    /// The engine contract: a request's prompt only grows until it is forgotten.
+    fn grown(prompts: &mut HashMap<String, Vec<i32>>, rid: &str, (base, len): (u8, u8)) -> Vec<i32> {
+        let t = match prompts.get(rid) {
+            Some(old) => old.iter().copied().chain(tokens(base, len % 9)).collect(),
+            None => tokens(base, len),
+        };
+        prompts.insert(rid.to_owned(), t.clone());
+        t
     }
 
     proptest! {
@@ -610,11 +807,12 @@ mod fuzz {
             };
             let mut ix = Index::new(cfg, pages / 2, states).unwrap();
             let mut tickets: Vec<u64> = Vec::new();
+            let mut prompts = HashMap::new();
             for op in ops {
                 match op {
                     Op::Lookup { rid, prompt, load } => {
                         let rid = format!("r{rid}");
-                        let t = tokens(prompt.0, prompt.1);
+                        let t = grown(&mut prompts, &rid, prompt);
                         let l = ix.lookup(&rid, b"", &t).unwrap();
                         prop_assert!(l.hit_tokens <= l.limit_pages * 4 && l.hit_tokens % 4 == 0);
                         if l.hit_tokens > 0 {
@@ -628,8 +826,9 @@ mod fuzz {
                         }
                     }
                     Op::Store { rid, prompt, extra } => {
-                        let t = tokens(prompt.0, prompt.1);
-                        let p = ix.plan_store(&format!("r{rid}"), b"", &t, t.len() + usize::from(extra)).unwrap();
+                        let rid = format!("r{rid}");
+                        let t = grown(&mut prompts, &rid, prompt);
+                        let p = ix.plan_store(&rid, b"", &t, t.len() + usize::from(extra)).unwrap();
                         tickets.push(p.ticket);
                     }
                     Op::Finish { pick, ok } if !tickets.is_empty() => {
@@ -639,7 +838,7 @@ mod fuzz {
                     }
                     Op::Hold { prompt } => {
                         let mut c = Chain::default();
-                        c.extend(ix.hasher(), 4, b"", &tokens(prompt.0, prompt.1));
+                        c.extend(ix.hasher(), 4, b"", &tokens(prompt.0, prompt.1)).unwrap();
                         let keys = c.keys().to_vec();
                         tickets.push(ix.hold(&keys, &keys).unwrap().ticket);
                     }
@@ -650,7 +849,22 @@ mod fuzz {
                         }
                     }
                     Op::Forget { rid } => {
-                        ix.forget(&format!("r{rid}"));
+                        let rid = format!("r{rid}");
+                        prop_assert_eq!(ix.forget(&rid), prompts.remove(&rid).is_some());
+                    }
+                    Op::Reuse { rid, prompt } => {
+                        let rid = format!("r{rid}");
+                        let t = tokens(prompt.0, prompt.1);
+                        let before = ix.keys(&rid).map(<[Key]>::to_vec).ok();
+                        match ix.lookup(&rid, b"", &t) {
+                            Ok(_) => {
+                                prompts.insert(rid, t);
+                            }
+                            Err(Error::PromptMismatch { .. }) => {
+                                prop_assert_eq!(ix.keys(&rid).map(<[Key]>::to_vec).ok(), before, "a refused call changes nothing");
+                            }
+                            Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                        }
                     }
                     Op::Grow { pages } => ix.grow(u32::from(pages), states),
                     Op::Finish { .. } => {}

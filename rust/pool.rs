@@ -1,8 +1,11 @@
 //! A fixed set of host slots with LRU eviction, where only evictable entries sit in the eviction order.
 //!
-//! An entry leaves the LRU list when it is pinned (refs 0 -> 1) or while it is not ready, and re-enters at the
-//! most-recent end when it is ready with refs back at 0, so eviction pops the least-recent end in O(1) and never
-//! walks past a pinned entry. Entries live in a slab indexed by slot; the list links are slot indices.
+//! An entry leaves the LRU list when it is acquired (refs 0 -> 1) or while it is not ready, and re-enters at the
+//! most-recent end when it is ready with refs back at 0 (released), so eviction pops the least-recent end in O(1)
+//! and never walks past an entry in use. Entries live in a slab indexed by slot; the list links are slot indices.
+//!
+//! The bookkeeping grows with the slots handed out, not with the capacity: a pool of two billion slots costs
+//! nothing until its slots are used (slots never used are a counter, not a list).
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -53,10 +56,13 @@ pub struct Entry {
 
 #[derive(Debug)]
 pub struct Pool {
+    /// Slots handed out at least once (slot i at index i); slots `slots.len()..usable` were never used.
     slots: Vec<Slot>,
+    capacity: u32,
     /// Number of slots usable now (a lazily grown pool starts small); slots >= `usable` are not handed out.
     usable: u32,
     map: KeyMap<u32>,
+    /// Slots freed after use (evicted to `evict_one`, discarded), taken again last-freed first before fresh ones.
     free: Vec<u32>,
     head: u32,
     tail: u32,
@@ -67,9 +73,9 @@ pub struct Pool {
 impl Pool {
     /// A pool of `capacity` slots, of which the first `usable` can be handed out now.
     pub fn new(capacity: u32, usable: u32) -> Self {
-        let slots = vec![Slot { entry: None, prev: NIL, next: NIL }; capacity as usize];
         let mut pool = Self {
-            slots,
+            slots: Vec::new(),
+            capacity,
             usable: 0,
             map: KeyMap::default(),
             free: Vec::new(),
@@ -85,18 +91,11 @@ impl Pool {
     /// Makes slots up to `usable` available (a chunk of the host pool was allocated). Never shrinks.
     pub fn grow(&mut self, usable: u32) {
         let usable = usable.min(self.capacity());
-        if usable <= self.usable {
-            return;
-        }
-        // Free slots are popped from the end: keep low slots first so the pool fills from the bottom.
-        let mut added: Vec<u32> = (self.usable..usable).rev().collect();
-        added.append(&mut self.free);
-        self.free = added;
-        self.usable = usable;
+        self.usable = self.usable.max(usable);
     }
 
     pub fn capacity(&self) -> u32 {
-        self.slots.len() as u32
+        self.capacity
     }
     pub fn usable(&self) -> u32 {
         self.usable
@@ -104,8 +103,31 @@ impl Pool {
     pub fn used(&self) -> usize {
         self.map.len()
     }
+    /// Slots handed out at least once (`0..n`; slots above were never used).
+    pub fn slots_handed_out(&self) -> std::ops::Range<u32> {
+        0..self.slots.len() as u32
+    }
+
+    /// Usable slots holding no entry.
     pub fn free(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.fresh()
+    }
+
+    /// Usable slots never handed out.
+    fn fresh(&self) -> usize {
+        self.usable as usize - self.slots.len()
+    }
+
+    /// A slot holding no entry: the last freed, else the lowest never used (the pool fills from the bottom).
+    fn take_free(&mut self) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        if self.fresh() == 0 {
+            return None;
+        }
+        self.slots.push(Slot { entry: None, prev: NIL, next: NIL });
+        Some(self.slots.len() as u32 - 1)
     }
     pub fn evictable(&self) -> usize {
         self.evictable
@@ -129,11 +151,11 @@ impl Pool {
 
     /// Slots that a reservation could get now: free ones plus evictable ones.
     pub fn available(&self) -> usize {
-        self.free.len() + self.evictable
+        self.free() + self.evictable
     }
 
     /// Takes one slot for each of `keys` (none may be present), evicting least-recent entries as needed: all of
-    /// them or, when not enough slots are free or evictable, none (and nothing is evicted). New entries are pinned
+    /// them or, when not enough slots are free or evictable, none (and nothing is evicted). New entries are acquired
     /// (refs 1) and not ready. Returns the slots and the keys evicted.
     pub fn reserve(&mut self, keys: &[Key]) -> Option<(Vec<u32>, Vec<Key>)> {
         if keys.len() > self.available() {
@@ -143,7 +165,7 @@ impl Pool {
         let mut slots = Vec::with_capacity(keys.len());
         let mut evicted = Vec::new();
         for &key in keys {
-            let slot = match self.free.pop() {
+            let slot = match self.take_free() {
                 Some(s) => s,
                 None => {
                     let (s, old) = self.pop_lru().expect("available() counted an evictable entry");
@@ -178,8 +200,8 @@ impl Pool {
         Some((slot, entry.key))
     }
 
-    /// Adds a reference: the entry leaves the eviction order.
-    pub fn pin(&mut self, slot: u32) -> Result<()> {
+    /// Takes a reference: the entry leaves the eviction order.
+    pub fn acquire(&mut self, slot: u32) -> Result<()> {
         let e = self.entry_mut(slot)?;
         e.refs += 1;
         let listed = e.refs == 1 && e.ready;
@@ -190,10 +212,10 @@ impl Pool {
     }
 
     /// Drops a reference; an entry that is ready with no references re-enters at the most-recent end.
-    pub fn unpin(&mut self, slot: u32) -> Result<()> {
+    pub fn release(&mut self, slot: u32) -> Result<()> {
         let e = self.entry_mut(slot)?;
         if e.refs == 0 {
-            return Err(Error::Invariant(format!("unpin of slot {slot} with no references")));
+            return Err(Error::Invariant(format!("release of slot {slot} with no references")));
         }
         e.refs -= 1;
         if e.refs == 0 && e.ready {
@@ -202,17 +224,17 @@ impl Pool {
         Ok(())
     }
 
-    /// Marks a pinned entry's host copy complete (it stays pinned until unpinned).
+    /// Marks an acquired entry's host copy complete (it stays acquired until released).
     pub fn mark_ready(&mut self, slot: u32) -> Result<()> {
         let e = self.entry_mut(slot)?;
         if e.refs == 0 {
-            return Err(Error::Invariant(format!("mark_ready of unpinned slot {slot}")));
+            return Err(Error::Invariant(format!("mark_ready of slot {slot} with no references")));
         }
         e.ready = true;
         Ok(())
     }
 
-    /// Removes a pinned, not-ready entry whose copy failed; its slot becomes free.
+    /// Removes an acquired, not-ready entry whose copy failed; its slot becomes free.
     pub fn discard(&mut self, slot: u32) -> Result<()> {
         let e = *self.entry_mut(slot)?;
         if e.ready || e.refs != 1 {
@@ -226,7 +248,7 @@ impl Pool {
 
     /// Moves an evictable entry to the most-recent end (a hit or a re-store).
     pub fn touch(&mut self, slot: u32) {
-        if self.slots[slot as usize].entry.is_some_and(|e| e.refs == 0 && e.ready) {
+        if self.entry(slot).is_some_and(|e| e.refs == 0 && e.ready) {
             self.unlink(slot);
             self.push_back(slot);
         }
@@ -250,8 +272,13 @@ impl Pool {
         if used != self.map.len() {
             return fail(format!("{used} used slots but {} keys", self.map.len()));
         }
-        if used + self.free.len() != self.usable as usize {
-            return fail(format!("used {used} + free {} != usable {}", self.free.len(), self.usable));
+        if used + self.free() != self.usable as usize || self.slots.len() > self.usable as usize {
+            return fail(format!(
+                "used {used} + free {} != usable {} (handed out {})",
+                self.free(),
+                self.usable,
+                self.slots.len()
+            ));
         }
         for (&key, &slot) in &self.map {
             if self.slots[slot as usize].entry.map(|e| e.key) != Some(key) {
@@ -260,14 +287,22 @@ impl Pool {
         }
         let mut seen = vec![false; self.slots.len()];
         for &s in &self.free {
-            if s >= self.usable || self.slots[s as usize].entry.is_some() || std::mem::replace(&mut seen[s as usize], true) {
+            if s as usize >= self.slots.len()
+                || self.slots[s as usize].entry.is_some()
+                || std::mem::replace(&mut seen[s as usize], true)
+            {
                 return fail(format!("free slot {s} is unusable, used or listed twice"));
             }
         }
         let listed = self.lru_keys();
         let should = self.slots.iter().filter(|s| s.entry.is_some_and(|e| e.refs == 0 && e.ready)).count();
         if listed.len() != should || listed.len() != self.evictable {
-            return fail(format!("LRU lists {} entries, {} are evictable, counter {}", listed.len(), should, self.evictable));
+            return fail(format!(
+                "LRU lists {} entries, {} are evictable, counter {}",
+                listed.len(),
+                should,
+                self.evictable
+            ));
         }
         Ok(())
     }
@@ -326,7 +361,7 @@ mod tests {
         let (slots, _) = pool.reserve(keys).unwrap();
         for &s in &slots {
             pool.mark_ready(s).unwrap();
-            pool.unpin(s).unwrap();
+            pool.release(s).unwrap();
         }
         slots
     }
@@ -335,27 +370,27 @@ mod tests {
     fn reservation_is_all_or_nothing() {
         let mut p = Pool::new(4, 4);
         ready(&mut p, &[1, 2, 3]);
-        let pinned = p.slot_of(1).unwrap();
-        p.pin(pinned).unwrap();
+        let held = p.slot_of(1).unwrap();
+        p.acquire(held).unwrap();
         assert!(p.reserve(&[10, 11, 12, 13]).is_none());
         assert_eq!(p.used(), 3, "a failed reservation evicts nothing");
         let (slots, evicted) = p.reserve(&[10, 11, 12]).unwrap();
         assert_eq!(slots.len(), 3);
         assert_eq!(evicted, vec![2, 3]);
-        assert!(p.slot_of(1).is_some(), "pinned entry survives");
+        assert!(p.slot_of(1).is_some(), "an acquired entry survives");
         p.check().unwrap();
     }
 
     #[test]
-    fn lru_order_follows_touch_and_unpin() {
+    fn lru_order_follows_touch_and_release() {
         let mut p = Pool::new(8, 8);
         ready(&mut p, &[1, 2, 3]);
         p.touch(p.slot_of(1).unwrap());
         assert_eq!(p.lru_keys(), vec![2, 3, 1]);
         let s2 = p.slot_of(2).unwrap();
-        p.pin(s2).unwrap();
+        p.acquire(s2).unwrap();
         assert_eq!(p.lru_keys(), vec![3, 1]);
-        p.unpin(s2).unwrap();
+        p.release(s2).unwrap();
         assert_eq!(p.lru_keys(), vec![3, 1, 2]);
         assert_eq!(p.evict_one(), Some(3));
         p.check().unwrap();
@@ -371,11 +406,30 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_pool_allocates_only_the_slots_it_hands_out() {
+        let mut p = Pool::new(2_000_000_000, 2_000_000_000);
+        assert_eq!(p.free(), 2_000_000_000);
+        assert_eq!(p.reserve(&[1, 2]).unwrap().0, vec![0, 1]);
+        assert!(p.slots.capacity() < 1024, "bookkeeping of {} slots", p.slots.capacity());
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn freed_slots_are_taken_again_before_fresh_ones() {
+        let mut p = Pool::new(8, 2);
+        ready(&mut p, &[1, 2]);
+        assert_eq!(p.evict_one(), Some(1));
+        p.grow(4);
+        assert_eq!(p.reserve(&[3, 4, 5]).unwrap().0, vec![0, 2, 3]);
+        p.check().unwrap();
+    }
+
+    #[test]
     fn misuse_is_an_error_not_a_panic() {
         let mut p = Pool::new(2, 2);
-        assert!(p.unpin(0).is_err());
+        assert!(p.release(0).is_err());
         let s = ready(&mut p, &[7])[0];
-        assert!(p.unpin(s).is_err());
+        assert!(p.release(s).is_err());
         assert!(p.discard(s).is_err());
         assert!(p.mark_ready(s).is_err());
     }
@@ -385,8 +439,8 @@ mod tests {
         Reserve(Vec<u8>),
         Complete(u8),
         Fail(u8),
-        Pin(u8),
-        Unpin(u8),
+        Acquire(u8),
+        Release(u8),
         Touch(u8),
         Evict,
     }
@@ -396,8 +450,8 @@ mod tests {
             prop::collection::vec(any::<u8>(), 0..6).prop_map(Op::Reserve),
             any::<u8>().prop_map(Op::Complete),
             any::<u8>().prop_map(Op::Fail),
-            any::<u8>().prop_map(Op::Pin),
-            any::<u8>().prop_map(Op::Unpin),
+            any::<u8>().prop_map(Op::Acquire),
+            any::<u8>().prop_map(Op::Release),
             any::<u8>().prop_map(Op::Touch),
             Just(Op::Evict),
         ]
@@ -408,10 +462,10 @@ mod tests {
         #[test]
         fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..200), cap in 1u32..12) {
             let mut p = Pool::new(cap, cap);
-            // Slots whose entry is pinned by a pending copy (not ready).
+            // Slots whose entry is held by a pending copy (not ready).
             let mut pending: Vec<u32> = Vec::new();
-            // Extra pins we took on ready entries.
-            let mut pins: Vec<u32> = Vec::new();
+            // Extra references we took on ready entries.
+            let mut held: Vec<u32> = Vec::new();
             for op in ops {
                 match op {
                     Op::Reserve(raw) => {
@@ -425,7 +479,7 @@ mod tests {
                                 prop_assert_eq!(slots.len(), keys.len());
                                 for k in &evicted {
                                     let e = before.iter().find(|e| e.key == *k).unwrap();
-                                    prop_assert!(e.refs == 0 && e.ready, "evicted a pinned or pending entry");
+                                    prop_assert!(e.refs == 0 && e.ready, "evicted an acquired or pending entry");
                                 }
                                 pending.extend(slots);
                             }
@@ -438,29 +492,29 @@ mod tests {
                     Op::Complete(i) if !pending.is_empty() => {
                         let s = pending.swap_remove(i as usize % pending.len());
                         p.mark_ready(s).unwrap();
-                        p.unpin(s).unwrap();
+                        p.release(s).unwrap();
                     }
                     Op::Fail(i) if !pending.is_empty() => {
                         let s = pending.swap_remove(i as usize % pending.len());
                         p.discard(s).unwrap();
                     }
-                    Op::Pin(i) => {
+                    Op::Acquire(i) => {
                         let ready: Vec<u32> = (0..cap).filter(|&s| p.entry(s).is_some_and(|e| e.ready)).collect();
                         if !ready.is_empty() {
                             let s = ready[i as usize % ready.len()];
-                            p.pin(s).unwrap();
-                            pins.push(s);
+                            p.acquire(s).unwrap();
+                            held.push(s);
                         }
                     }
-                    Op::Unpin(i) if !pins.is_empty() => {
-                        let s = pins.swap_remove(i as usize % pins.len());
-                        p.unpin(s).unwrap();
+                    Op::Release(i) if !held.is_empty() => {
+                        let s = held.swap_remove(i as usize % held.len());
+                        p.release(s).unwrap();
                     }
                     Op::Touch(i) => p.touch(u32::from(i) % cap),
                     Op::Evict => {
                         if let Some(k) = p.evict_one() {
                             prop_assert!(p.slot_of(k).is_none());
-                            prop_assert!(pending.iter().chain(&pins).all(|&s| p.entry(s).is_some()));
+                            prop_assert!(pending.iter().chain(&held).all(|&s| p.entry(s).is_some()));
                         }
                     }
                     _ => {}

@@ -41,7 +41,7 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
     return [
         # Index
         ("index float tokens", lambda: ix.lookup("r", np.zeros(8)), TypeError, "dtype float64"),
-        ("index 2-D tokens", lambda: ix.lookup("r", np.zeros((2, 8), np.int32)), TypeError, "2 dimension"),
+        ("index 2-D tokens", lambda: ix.lookup("r", np.zeros((2, 8), np.int32)), ValueError, "1-D"),
         ("index strided tokens", lambda: ix.lookup("r", np.arange(64, dtype=np.int32)[::2]), ValueError, "contiguous"),
         ("index negative id", lambda: ix.lookup("r", [1, -7]), ValueError, "-7"),
         ("index id over int32", lambda: ix.lookup("r", [2**31]), ValueError, "2147483648"),
@@ -321,7 +321,8 @@ def test_adapter_swallows_everything(setup):
 
 
 def test_duplicate_request_ids_get_the_right_pages():
-    """A request id reused for another prompt rehashes from the first differing block: no wrong hit."""
+    """A request id reused for another prompt without forget() is refused; forgotten, it hashes afresh: no wrong
+    hit either way."""
     e = engine()
     c = HostPrefixCache(
         e.gpu_blocks,
@@ -335,6 +336,9 @@ def test_duplicate_request_ids_get_the_right_pages():
     )
     a, b = list(range(64)), list(range(100, 164))
     c.index.plan_store("dup", a)  # chain of a under "dup" (ticket left to complete below)
+    with pytest.raises(kvtier.PromptMismatchError, match="dup"):
+        c.index.chain("dup", b)
+    c.forget("dup")
     assert c.index.chain("dup", b) == c.index.chain("fresh", b)
 
 

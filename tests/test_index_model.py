@@ -1,17 +1,22 @@
 """The Rust index against the plain-Python model of the same rules, under random operation sequences.
 
 After every step: both agree on every plan, slot, LRU order and counter; no slot is owned by two entries; free +
-used = capacity; refs never negative; no pinned or not-ready entry is ever evicted; every hit is a run of ready
-pages ending at a boundary with a ready state.
+used = capacity; refs never negative; no acquired or not-ready entry is ever evicted; every hit is a run of ready
+pages ending at a boundary with a ready state. Requests follow the engine contract: a request's prompt only grows
+until it is forgotten (and a reused id is refused).
 """
 
 from __future__ import annotations
 
-import numpy as np
-from hypothesis import given, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+import array
 
 import kvtier
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvtier.pyindex import PyIndex
 
 BLOCK = 4
@@ -63,8 +68,15 @@ class IndexMachine(RuleBasedStateMachine):
         )
         self.n_pages, self.n_states = page_slots, state_slots
         self.pending: list[int] = []
-        self.known: set[str] = set()
+        self.prompts: dict[str, np.ndarray] = {}
         self.before = snapshot(self.rust, page_slots, state_slots)
+
+    def _grown(self, rid: str, prompt: np.ndarray) -> np.ndarray:
+        """The request's prompt grown by a few tokens (the engine contract), or a new request's prompt."""
+        old = self.prompts.get(rid)
+        grown = prompt if old is None else np.concatenate([old, prompt[: len(prompt) % 9]]).astype(np.int32)
+        self.prompts[rid] = grown
+        return grown
 
     def _step_evictions(self, discarded: set[tuple[str, int]] = frozenset()) -> None:
         """Every entry that left the pools since the last step was evictable (or discarded by an abort)."""
@@ -76,19 +88,20 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(rid=request_ids, prompt=prompts, extra=st.integers(0, 8))
     def store(self, rid, prompt, extra):
+        prompt = self._grown(rid, prompt)
         seq_len = len(prompt) + extra
         p = self.rust.plan_store(rid, prompt, seq_len=seq_len)
         m = self.model.plan_store(rid, prompt.tolist(), seq_len)
-        assert (p.ticket, p.page_indices.tolist(), p.page_slots.tolist(), p.state_boundaries, p.state_slots.tolist()) == m
+        got = (p.ticket, p.page_indices.tolist(), p.page_slots.tolist(), p.state_boundaries, p.state_slots.tolist())
+        assert got == m
         self.pending.append(p.ticket)
-        self.known.add(rid)
         self._step_evictions()
 
     @rule(rid=request_ids, prompt=prompts, load=st.booleans())
     def lookup(self, rid, prompt, load):
-        got = self.rust.lookup(rid, prompt)
+        prompt = self._grown(rid, prompt)
+        got = self.rust.lookup(rid, prompt.tolist() if load else prompt)
         assert (got.hit_tokens, got.ready_pages, got.limit_pages) == self.model.lookup(rid, prompt.tolist())
-        self.known.add(rid)
         if got.hit_tokens == 0:
             return
         if not load:
@@ -127,7 +140,26 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(rid=request_ids)
     def forget(self, rid):
         assert self.rust.forget(rid) == self.model.forget(rid)
-        self.known.discard(rid)
+        self.prompts.pop(rid, None)
+
+    @rule(rid=request_ids, prompt=prompts)
+    def reuse(self, rid, prompt):
+        """A known id with an unrelated prompt: refused when it does not extend the first and last hashed blocks."""
+        old = self.prompts.get(rid)
+        hashed = 0 if old is None else len(old) // BLOCK * BLOCK
+        refused = hashed > 0 and (
+            len(prompt) < hashed
+            or not np.array_equal(prompt[:BLOCK], old[:BLOCK])
+            or not np.array_equal(prompt[hashed - BLOCK : hashed], old[hashed - BLOCK : hashed])
+        )
+        if refused:
+            keys = self.rust.keys(rid)
+            with pytest.raises(kvtier.PromptMismatchError):
+                self.rust.chain(rid, prompt)
+            assert self.rust.keys(rid) == keys
+        else:
+            self.model.chain(rid, prompt.tolist())
+            self.prompts[rid] = prompt
 
     @invariant()
     def agrees_with_the_model(self):
@@ -192,11 +224,192 @@ def test_chain_extension_equals_a_fresh_chain(tokens, kind):
     ix = kvtier.Index(4, block_size=4, hash_kind=kind)
     arr = np.asarray(tokens, dtype=np.int32)
     for cut in range(0, len(arr) + 1, 7):
-        ix.chain("grow", arr[:cut])
+        ix.chain("grow", arr[:cut] if cut % 2 else tokens[:cut])
     fresh = ix.chain("fresh", arr)
     assert ix.chain("grow", arr) == fresh
     other = arr.copy()
-    other[5] ^= 1
+    other[1] ^= 1
+    with pytest.raises(kvtier.PromptMismatchError, match="first block"):
+        ix.chain("grow", other)
+    assert ix.forget("grow")
     changed = ix.chain("grow", other)
-    assert changed[0] == fresh[0]
-    assert all(a != b for a, b in zip(changed[1:], fresh[1:]))
+    assert all(a != b for a, b in zip(changed, fresh, strict=True))
+
+
+# The rules, on both the Rust index and the plain-Python model: the issue's minimal traces.
+
+
+class Rules:
+    """The Rust index or the Python model behind one interface: store (and complete), lookup, state keys."""
+
+    def __init__(self, impl: str, page_slots: int, **kw: int) -> None:
+        self.rust = kvtier.Index(page_slots, **kw)
+        self.model = PyIndex(page_slots, **kw) if impl == "python" else None
+        self.block = kw.get("block_size", 16)
+
+    def store(self, rid: str, tokens: list[int]) -> tuple[list[int], list[int]]:
+        if self.model is not None:
+            ticket, pages, _, boundaries, _ = self.model.plan_store(rid, tokens)
+            self.model.complete(ticket)
+            return pages, boundaries
+        p = self.rust.plan_store(rid, tokens)
+        self.rust.complete(p.ticket)
+        self.rust.check()
+        return p.page_indices.tolist(), p.state_boundaries
+
+    def lookup(self, rid: str, tokens: list[int]) -> int:
+        if self.model is not None:
+            return self.model.lookup(rid, tokens)[0]
+        return self.rust.lookup(rid, tokens).hit_tokens
+
+    def stat(self, name: str) -> int:
+        return self.model.stats[name] if self.model is not None else self.rust.stats()[name]
+
+    def pages_used(self) -> int:
+        return len(self.model.pages.entries) if self.model is not None else self.rust.stats()["pages_used"]
+
+
+both = pytest.mark.parametrize("impl", ["rust", "python"])
+
+
+@both
+def test_no_state_below_min_hit_tokens(impl):
+    """Bug 1: a store of 8 tokens with min_hit 8 (bs 4) planned states at [8, 4]."""
+    ix = Rules(impl, 8, state_slots=4, block_size=4, min_hit_tokens=8, ring_slack=100)
+    assert ix.store("a", list(range(8)))[1] == [8]
+
+
+@both
+@pytest.mark.parametrize(("lookback", "want"), [(0, []), (1, [24]), (2, [24, 20])])
+def test_lookback_k_means_k_boundaries(impl, lookback, want):
+    """Bug 2: with lookback 1 a 24-token store planned states [24, 20]; with lookback 0 it still stored one."""
+    ix = Rules(impl, 8, state_slots=4, block_size=4, min_hit_tokens=0, state_lookback_blocks=lookback, ring_slack=100)
+    assert ix.store("a", list(range(24)))[1] == want
+
+
+@both
+def test_a_store_never_evicts_its_own_present_state(impl):
+    """Bug 3: bs 16, 2 state slots, lookback 2: store 64 tokens, then the same 64 + 16. Both end with states
+    {80, 64}: 3 states stored, not 4 (the second store kept 64 and evicted 48)."""
+    ix = Rules(impl, 16, state_slots=2, block_size=16, state_lookback_blocks=2, ring_slack=100)
+    assert ix.store("a", list(range(64)))[1] == [64, 48]
+    assert ix.store("a", list(range(80)))[1] == [80]
+    assert ix.stat("states_stored") == 3
+    assert ix.lookup("b", list(range(81))) == 80
+    assert ix.lookup("c", list(range(65))) == 64
+
+
+@both
+def test_a_prompt_below_min_hit_stores_nothing(impl):
+    """Behaviour 4: a 5-token prompt (bs 4, min_hit 8) stored page 0."""
+    ix = Rules(impl, 8, block_size=4, min_hit_tokens=8)
+    assert ix.store("a", list(range(5))) == ([], [])
+    assert (ix.pages_used(), ix.stat("stores"), ix.stat("store_skipped")) == (0, 0, 0)
+
+
+@both
+def test_a_partial_run_is_stored_only_up_to_a_stored_state(impl):
+    """Behaviour 5: a 40-token prompt the pool could not take flushed a 12-token prompt's pages for a run ending at
+    no state, turning the short prompt's next turn from a 12-token hit into a miss."""
+    kw = dict(block_size=4, min_hit_tokens=4, state_lookback_blocks=2, ring_slack=100)
+    ix = Rules(impl, 4, state_slots=2, **kw)
+    ix.store("short", list(range(12)))
+    assert ix.store("long", list(range(100, 140))) == ([], [])
+    assert ix.lookup("short", list(range(16))) == 12
+    # A partial run that ends at a stored state is kept up to it; without states the first pages that fit are.
+    ix = Rules(impl, 5, state_slots=2, **{**kw, "state_lookback_blocks": 6})
+    assert ix.store("a", list(range(24))) == ([0, 1, 2, 3, 4], [20, 16])
+    ix = Rules(impl, 5, **kw)
+    assert ix.store("a", list(range(24)))[0] == [0, 1, 2, 3, 4]
+
+
+@both
+def test_a_prompts_first_pages_are_evicted_last(impl):
+    """Deliberate: pages re-enter the LRU deepest first, and a store holds its present pages."""
+    ix = Rules(impl, 6, block_size=4, min_hit_tokens=0)
+    ix.store("a", list(range(16)))  # pages 0-3
+    ix.store("b", list(range(100, 108)))  # 2 more: full
+    ix.store("a", list(range(24)))  # 2 missing: evicts b's pages, never a's own 0-3
+    assert ix.lookup("x", list(range(25))) == 24
+
+
+# Token ids as engines hold them.
+
+
+def test_every_token_container_gives_the_same_keys():
+    ids = np.random.default_rng(1).integers(0, 2**31 - 1, size=100, dtype=np.int64)
+    ix = kvtier.Index(4, block_size=16)
+    want = ix.chain("ref", ids.astype(np.int32))
+    for i, t in enumerate(
+        [
+            ids.tolist(),
+            tuple(ids.tolist()),
+            ids,
+            ids.astype(np.uint32),
+            array.array("i", ids.tolist()),
+            array.array("l", ids.tolist()),
+            array.array("q", ids.tolist()),
+            torch.from_numpy(ids),
+            torch.from_numpy(ids.astype(np.int32)),
+            [np.int64(x) for x in ids],
+        ]
+    ):
+        assert ix.chain(f"r{i}", t) == want, type(t)
+    small = np.arange(64, dtype=np.uint16)
+    assert ix.chain("u16", small) == ix.chain("i32", small.astype(np.int32))
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "match"),
+    [
+        ([1, 2, -3] + [0] * 16, ValueError, r"token_ids\[2\] = -3"),
+        ([0] * 17 + [2**31], ValueError, r"token_ids\[17\] = 2147483648"),
+        ([0] * 5 + [2**70], ValueError, r"token_ids\[5\]"),
+        (np.array([0, 5, 2**31], dtype=np.int64), ValueError, r"token_ids\[2\] = 2147483648"),
+        (np.array([0, -1], dtype=np.int32).repeat(16), ValueError, r"token_ids\[16\] = -1"),
+        ([0, 1.5], TypeError, r"token_ids\[1\] must be an int, got float"),
+        (np.zeros((2, 16), np.int32), ValueError, "1-D"),
+        (np.zeros(16, np.float32), TypeError, "dtype float32"),
+        (np.zeros(16, np.bool_), TypeError, "dtype bool"),
+        (np.zeros(32, np.int32)[::2], ValueError, "contiguous"),
+        ("abcd", TypeError, "str"),
+        (None, TypeError, "NoneType"),
+    ],
+)
+def test_bad_token_ids_are_named(ids, error, match):
+    ix = kvtier.Index(4, block_size=16)
+    with pytest.raises(error, match=match):
+        ix.lookup("r", ids)
+    assert not ix.forget("r"), "a refused call leaves no request behind"
+
+
+def test_a_known_request_reads_only_its_new_tokens():
+    """Tokens already hashed are not read again: a bad id planted among them goes unseen, one after them is named."""
+    ix = kvtier.Index(64, block_size=4)
+    ids = list(range(100))
+    ix.chain("r", ids)
+    ids[50] = -7  # inside the hashed prompt, not in its first or last block
+    assert len(ix.chain("r", ids + [1, 2, 3, 4])) == 26
+    with pytest.raises(ValueError, match=r"token_ids\[105\] = -1"):
+        ix.chain("r", ids + [1, 2, 3, 4, 5, -1, 7, 8])
+
+
+def test_a_reused_request_id_is_refused_until_forgotten():
+    ix = kvtier.Index(64, block_size=4)
+    ix.lookup("r", list(range(40)))
+    for other, why in [(list(range(36)), "fewer than the 40"), (list(range(1, 41)), "first block"),
+                       (list(range(36)) + [0, 0, 0, 0], "tokens 36..40")]:  # fmt: skip
+        with pytest.raises(kvtier.PromptMismatchError, match=why) as e:
+            ix.lookup("r", other)
+        assert isinstance(e.value, ValueError) and "'r'" not in str(e.value) and '"r"' in str(e.value)
+    with pytest.raises(kvtier.PromptMismatchError, match="namespace"):
+        ix.lookup("r", list(range(40)), namespace="tenant")
+    assert ix.forget("r")
+    assert ix.lookup("r", list(range(1, 41))).limit_pages == 9
+
+
+def test_huge_pools_allocate_only_what_they_use():
+    ix = kvtier.Index(2_000_000_000, state_slots=2_000_000_000, block_size=4, min_hit_tokens=0)
+    ix.complete(ix.plan_store("a", list(range(16))).ticket)
+    assert ix.stats()["pages_used"] == 4 and ix.stats()["states_used"] == 1
+    ix.check()

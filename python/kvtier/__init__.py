@@ -5,11 +5,13 @@ copies them back on the engine's stream; the optional L3 tier shares them throug
 """
 
 from kvtier._core import (
+    KEY_SCHEME,
     CopyError,
     Index,
     KvtierError,
     LoadPlan,
     Lookup,
+    PromptMismatchError,
     SeenSet,
     StaleLookupError,
     StorePlan,
@@ -22,11 +24,13 @@ from kvtier._core import (
 )
 
 __all__ = [
+    "KEY_SCHEME",
     "CopyError",
     "Index",
     "KvtierError",
     "LoadPlan",
     "Lookup",
+    "PromptMismatchError",
     "SeenSet",
     "StaleLookupError",
     "StorePlan",

@@ -9,7 +9,10 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+# Version of the block-key derivation: every key changes with it (part of the L3 fingerprint).
+KEY_SCHEME: Final[int]
 __all__ = [
+    "KEY_SCHEME",
     "CompletionQueue",
     "CopyError",
     "HostPool",
@@ -18,6 +21,7 @@ __all__ = [
     "LoadPlan",
     "Lookup",
     "PageCopier",
+    "PromptMismatchError",
     "SeenSet",
     "StaleLookupError",
     "StorePlan",
@@ -30,6 +34,9 @@ __all__ = [
 ]
 
 _Int32Ids: TypeAlias = npt.NDArray[np.int32] | Sequence[int]
+# Token ids as an engine holds them: a list or tuple of ints, a 1-D integer numpy array (any width), an
+# array.array, or a CPU tensor (read through a numpy view). Ids are range-checked: 0 <= id < 2**31.
+_TokenIds: TypeAlias = npt.ArrayLike
 
 class KvtierError(Exception):
     """Base class of kvtier's own errors."""
@@ -39,6 +46,10 @@ class StaleLookupError(KvtierError):
 
 class CopyError(KvtierError):
     """A page copy could not be launched or failed."""
+
+class PromptMismatchError(ValueError):
+    """A request id was used for a prompt that does not extend the tokens already hashed for it (a request's tokens
+    only grow until forget())."""
 
 def build_info() -> dict[str, Any]:
     """version, cuda (kernel compiled in), cuda_runtime_version, cuda_devices (visible now), nvcc."""
@@ -111,16 +122,16 @@ class Index:
     @property
     def key_id(self) -> str: ...
     def grow(self, usable_page_slots: int, usable_state_slots: int) -> None: ...
-    def chain(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> list[int]: ...
+    def chain(self, request_id: str, token_ids: _TokenIds, *, namespace: str | bytes | None = None) -> list[int]: ...
     def keys(self, request_id: str) -> list[int]: ...
-    def lookup(self, request_id: str, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
-    def peek(self, token_ids: _Int32Ids, *, namespace: str | bytes | None = None) -> Lookup: ...
+    def lookup(self, request_id: str, token_ids: _TokenIds, *, namespace: str | bytes | None = None) -> Lookup: ...
+    def peek(self, token_ids: _TokenIds, *, namespace: str | bytes | None = None) -> Lookup: ...
     def defer(self, request_id: str) -> None: ...
     def begin_load(self, request_id: str, hit_tokens: int) -> LoadPlan: ...
     def plan_store(
         self,
         request_id: str,
-        token_ids: _Int32Ids,
+        token_ids: _TokenIds,
         *,
         seq_len: int | None = None,
         namespace: str | bytes | None = None,

@@ -43,23 +43,6 @@ CALLER_ERRORS = (OverflowError, TypeError, ValueError)
 SEQ_LEN_LIMIT = 2**63
 
 
-def token_array(prompt_ids: Any) -> np.ndarray:
-    """Prompt token ids as a 1-D int32 array (no copy when they already are one)."""
-    if isinstance(prompt_ids, torch.Tensor):
-        prompt_ids = prompt_ids.detach().cpu().numpy()
-    arr = np.asarray(prompt_ids)
-    if arr.ndim != 1:
-        raise ValueError(f"prompt_ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"prompt_ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype != np.int32:
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-            bad = arr[(arr < 0) | (arr > np.iinfo(np.int32).max)][0]
-            raise ValueError(f"prompt_ids must be in [0, 2**31), got {bad}")
-        arr = arr.astype(np.int32)
-    return arr
-
-
 def _old_allocate(allocate: Callable[[], Any], block_table: Callable[[], BlockTable]) -> Callable[[], Any]:
     """The deprecated resume form (``allocate() -> bool`` and a ``block_table()`` callable) as the new one."""
 
@@ -288,12 +271,13 @@ class HostPrefixCache:
 
     def lookup(self, request_id: str, prompt_ids: Any, *, namespace: str | bytes | None = None) -> int:
         """Tokens a resume of this prompt would restore now (0: miss). A pure query: it keeps nothing (no chain,
-        no statistics; ``request_id`` is only checked), so it may be called for any number of prompts."""
+        no statistics; ``request_id`` is only checked), so it may be called for any number of prompts.
+        ``prompt_ids`` as the engine holds them (a list, an integer array, a CPU tensor)."""
         _check_call(request_id, namespace)
-        return self._lookup(token_array(prompt_ids), namespace)
+        return self._lookup(prompt_ids, namespace)
 
     @_guarded(0)
-    def _lookup(self, tokens: np.ndarray, namespace: str | bytes | None) -> int:
+    def _lookup(self, tokens: Any, namespace: str | bytes | None) -> int:
         return self.index.peek(tokens, namespace=namespace).hit_tokens
 
     def resume(
@@ -307,6 +291,10 @@ class HostPrefixCache:
         block_table: Callable[[], BlockTable] | None = None,
     ) -> int:
         """Looks the prompt up and, on a hit, fills the sequence's first blocks (and state) from the host.
+
+        ``prompt_ids`` as the engine holds them (a list, an integer array, a CPU tensor). A request's ids only grow
+        until ``forget(request_id)``: a prompt that does not extend them raises ``PromptMismatchError``
+        (docs/INDEX.md); a call for a request already seen costs its new tokens, not the prompt.
 
         ``allocate()`` is called only on a hit: it allocates the sequence's GPU blocks now and returns its block
         table (GPU block ids, the same value ``store`` takes), or None for "not now"; a RuntimeError means
@@ -326,8 +314,7 @@ class HostPrefixCache:
                 stacklevel=2,
             )
             allocate = _old_allocate(allocate, block_table)
-        tokens = token_array(prompt_ids)
-        return self._resume(request_id, tokens, allocate, state, namespace)
+        return self._resume(request_id, prompt_ids, allocate, state, namespace)
 
     @_guarded(0)
     def _resume(self, request_id, tokens, allocate, state, namespace) -> int:  # type: ignore[no-untyped-def]
@@ -389,9 +376,8 @@ class HostPrefixCache:
         length now, default the prompt's). Copies are enqueued on the current stream; ``poll()`` makes them
         hits once they finished."""
         _check_call(request_id, namespace)
-        tokens = token_array(prompt_ids)
-        table = block_ids(block_table, len(tokens) // self.block_size, self._copy_pages.num_blocks)
-        self._store(request_id, tokens, table, _seq_len(seq_len), state, namespace)
+        table = block_ids(block_table, len(prompt_ids) // self.block_size, self._copy_pages.num_blocks)
+        self._store(request_id, prompt_ids, table, _seq_len(seq_len), state, namespace)
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]

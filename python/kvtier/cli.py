@@ -50,11 +50,18 @@ L3_EXTRA = 'pip install "kvtier[l3]"'
 # ---- argument parsing shared by the subcommands ---------------------------------------------------------------
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except a None default: its help text says what the default depends on."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose `--help` shows every default and whose errors are one line (exit status 2)."""
 
     def __init__(self, prog: str, description: str | None = None, **kw: Any) -> None:
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", DefaultsHelp)
         super().__init__(prog=prog, description=description, **kw)
 
     def error(self, message: str) -> NoReturn:

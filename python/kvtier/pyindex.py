@@ -1,9 +1,9 @@
 """The index bookkeeping in plain Python, as a straightforward engine would write it.
 
-It follows the same rules as the Rust index (``kvtier.Index``), slot for slot: hashlib BLAKE2b-128 chains,
-``OrderedDict`` pools with refs and ready flags, the same lookup, store, load and completion planning. It is the
-baseline of ``kvtier bench index`` and the model the stateful tests check the Rust index against (they give it the
-Rust chain through ``chain_fn``).
+It follows the same rules as the Rust index (``kvtier.Index``, rules in docs/INDEX.md), slot for slot: hashlib
+BLAKE2b-128 chains cached per request, ``OrderedDict`` pools with refs and ready flags, the same lookup, store, load
+and completion planning. It is the baseline of ``kvtier bench index`` and the model the stateful tests check the
+Rust index against (they give it the Rust chain through ``chain_fn``).
 """
 
 from __future__ import annotations
@@ -17,29 +17,19 @@ ChainFn = Callable[[str, bytes, Sequence[int]], list[int]]
 
 
 def blake2b_chain(block_size: int) -> ChainFn:
-    """Per-request chains of BLAKE2b-128 keys, extended as the prompt grows (never rehashed)."""
-    chains: dict[str, tuple[bytes, list[int], list[int]]] = {}
+    """Per-request chains of BLAKE2b-128 keys, as an engine caches them: a request's tokens only grow until it is
+    forgotten, so a known request hashes only the full blocks past those it has (the tokens are not compared)."""
+    chains: dict[str, list[int]] = {}
 
     def chain(request_id: str, namespace: bytes, tokens: Sequence[int]) -> list[int]:
-        ns, hashed, keys = chains.get(request_id, (namespace, [], []))
-        if ns != namespace:
-            hashed, keys = [], []
-        full = len(tokens) // block_size
-        same = 0
-        for a, b in zip(hashed, tokens):
-            if a != b:
-                break
-            same += 1
-        keep = min(same // block_size, full)
-        del keys[keep:]
+        keys = chains.setdefault(request_id, [])
         prev = keys[-1] if keys else int.from_bytes(hashlib.blake2b(namespace, digest_size=16).digest(), "little")
-        for i in range(keep, full):
+        for i in range(len(keys), len(tokens) // block_size):
             block = tokens[i * block_size : (i + 1) * block_size]
             h = hashlib.blake2b(prev.to_bytes(16, "little"), digest_size=16)
             h.update(b"".join(t.to_bytes(4, "little") for t in block))
             prev = int.from_bytes(h.digest(), "little")
             keys.append(prev)
-        chains[request_id] = (namespace, list(tokens[: full * block_size]), keys)
         return keys
 
     chain.forget = chains.pop  # type: ignore[attr-defined]
@@ -93,15 +83,15 @@ class Pool:
             slots.append(slot)
         return slots
 
-    def pin(self, key: int) -> None:
+    def acquire(self, key: int) -> None:
         e = self.entries[key]
         e.refs += 1
         if e.refs == 1 and e.ready:
             del self.lru[key]
 
-    def unpin(self, key: int) -> None:
+    def release(self, key: int) -> None:
         e = self.entries[key]
-        assert e.refs > 0, f"unpin of {key:x} with no references"
+        assert e.refs > 0, f"release of {key:x} with no references"
         e.refs -= 1
         if e.refs == 0 and e.ready:
             self.lru[key] = None
@@ -192,9 +182,9 @@ class PyIndex:
         if any(s is None for s in slots) or (self.has_states and state is None):
             raise LookupError(f"lookup of request {request_id!r} is stale")
         for k in keys[:n]:
-            self.pages.pin(k)
+            self.pages.acquire(k)
         if self.has_states:
-            self.states.pin(keys[n - 1])
+            self.states.acquire(keys[n - 1])
         self.stats["hits"] += 1
         self.stats["hit_tokens"] += hit_tokens
         t = Ticket(hit_tokens, [(k, False) for k in keys[:n]], [(keys[n - 1], False)] if self.has_states else [])
@@ -206,43 +196,58 @@ class PyIndex:
         """(ticket, page_indices, page_slots, state_boundaries, state_slots)"""
         seq_len = len(tokens) if seq_len is None else seq_len
         keys = self.chain(request_id, tokens, namespace)
+        bs = self.block_size
+        if len(keys) * bs < self.min_hit_tokens:  # could never hit: store nothing
+            return self._issue(Ticket(None)), [], [], [], []
+        # Pages: acquire the ready ones first (a reservation must not evict the prompt's own prefix).
         held, missing = [], []
         for i, k in enumerate(keys):
             e = self.pages.entries.get(k)
             if e is None:
                 missing.append(i)
             elif e.ready:
-                self.pages.pin(k)
+                self.pages.acquire(k)
                 held.append(i)
         pages_wanted = bool(missing)
-        missing = missing[: self.pages.available()]
-        new_slots = self.pages.reserve([keys[i] for i in missing]) or []
-        pages = sorted([(i, False) for i in held] + [(i, True) for i in missing])
-        run = 0
-        while run < len(keys) and keys[run] in self.pages.entries:
-            run += 1
+        fit = min(len(missing), self.pages.available())
+        run = missing[fit] if fit < len(missing) else len(keys)  # pages 0..run present once `fit` are in
+        # States: the deepest `state_lookback_blocks` boundaries, >= min_hit, pages present, still in the ring;
+        # present ones acquired before any is reserved, missing ones reserved deepest first.
         states: list[tuple[int, bool]] = []
         boundaries: list[int] = []
         state_slots: list[int] = []
         states_wanted = False
+        deepest = 0
         if self.has_states:
-            lowest = max(len(keys) - self.state_lookback_blocks, 1)
+            lowest = max(len(keys) + 1 - self.state_lookback_blocks, 1, -(-self.min_hit_tokens // bs))
+            absent = []
             for blocks in range(run, lowest - 1, -1):
-                b = blocks * self.block_size
-                if b + self.ring_slack < seq_len:
+                if blocks * bs + self.ring_slack < seq_len:
                     break
                 k = keys[blocks - 1]
                 e = self.states.entries.get(k)
                 if e is None:
-                    states_wanted = True
-                    got = self.states.reserve([k])
-                    if got is not None:
-                        states.append((k, True))
-                        boundaries.append(b)
-                        state_slots.append(got[0])
-                elif e.ready:
-                    self.states.pin(k)
+                    absent.append(blocks)
+                    continue
+                if e.ready:
+                    self.states.acquire(k)
                     states.append((k, False))
+                deepest = max(deepest, blocks)
+            states_wanted = bool(absent)
+            for blocks in absent:
+                got = self.states.reserve([keys[blocks - 1]])
+                if got is not None:
+                    states.append((keys[blocks - 1], True))
+                    boundaries.append(blocks * bs)
+                    state_slots.append(got[0])
+                    deepest = max(deepest, blocks)
+        # A partial run with states is kept only up to the deepest boundary whose state is stored.
+        take = fit
+        if fit < len(missing) and self.has_states:
+            take = sum(1 for i in missing[:fit] if i < deepest)
+        missing = missing[:take]
+        new_slots = self.pages.reserve([keys[i] for i in missing]) or []
+        pages = sorted([(i, False) for i in held] + [(i, True) for i in missing])
         if new_slots or state_slots:
             self.stats["stores"] += 1
         elif pages_wanted or states_wanted:
@@ -262,12 +267,12 @@ class PyIndex:
             if new:
                 self.pages.entries[k].ready = True
                 self.stats["pages_stored"] += 1
-            self.pages.unpin(k)
+            self.pages.release(k)
         for k, new in t.states:
             if new:
                 self.states.entries[k].ready = True
                 self.stats["states_stored"] += 1
-            self.states.unpin(k)
+            self.states.release(k)
         if t.load_tokens is not None:
             self.stats["pages_loaded"] += len(t.pages)
             self.stats["states_loaded"] += len(t.states)
@@ -279,7 +284,7 @@ class PyIndex:
                 if new:
                     pool.discard(k)
                 else:
-                    pool.unpin(k)
+                    pool.release(k)
         if t.load_tokens is not None:
             self.stats["hits"] -= 1
             self.stats["hit_tokens"] -= t.load_tokens

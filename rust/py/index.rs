@@ -6,8 +6,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{int32s, namespace_bytes, non_negative, slots_array, to_py};
-use crate::chain::HashKind;
+use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
+use crate::chain::{HashKind, TokenIds};
+use crate::error::invalid;
 use crate::index::{Config, Index};
 use crate::l3;
 
@@ -74,6 +75,35 @@ impl PyIndex {
     fn lock(&self) -> MutexGuard<'_, Index> {
         // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the index and the prompt's ids with the GIL released. An array is read in place; of a list or
+    /// tuple only what the request's chain needs is read first: its first and last hashed blocks (to check that
+    /// the prompt still extends them) and the tokens after them.
+    fn with_prompt<R: Send>(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        f: impl FnOnce(&mut Index, &(dyn TokenIds + Sync)) -> crate::error::Result<R> + Send,
+    ) -> PyResult<R> {
+        match Prompt::of(token_ids)? {
+            Prompt::Array(a) => a.with(|ids| py.detach(|| f(&mut self.lock(), ids))).map_err(to_py),
+            Prompt::Items(seq) => {
+                let (hashed, bs) = {
+                    let ix = self.lock();
+                    (ix.hashed_tokens(request_id), ix.config().block_size)
+                };
+                let n = seq.len()?;
+                let ranges = if hashed == 0 || hashed > n {
+                    [0..n, 0..0, 0..0]
+                } else {
+                    [0..bs, hashed - bs..hashed, hashed..n]
+                };
+                let w = Window::read(&seq, &ranges)?;
+                py.detach(|| f(&mut self.lock(), &w)).map_err(to_py)
+            }
+        }
     }
 }
 
@@ -165,13 +195,13 @@ impl PyIndex {
         Ok(())
     }
 
-    /// Hashes the prompt into the request's chain (extending it) and returns its block keys.
+    /// Hashes the prompt into the request's chain and returns its block keys. A request's tokens only grow until
+    /// `forget`: a known request's prompt must extend what was hashed (PromptMismatchError otherwise), and only
+    /// its new full blocks are read and hashed.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
     fn chain(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u128>> {
-        let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
-        let t = tokens.as_slice();
-        py.detach(|| self.lock().chain(request_id, &ns, t).map(<[u128]>::to_vec)).map_err(to_py)
+        self.with_prompt(py, request_id, token_ids, |ix, t| ix.chain(request_id, &ns, t).map(<[u128]>::to_vec))
     }
 
     /// The block keys hashed so far for a request.
@@ -180,13 +210,12 @@ impl PyIndex {
     }
 
     /// What a resume of this prompt would restore now. A request is counted in the lookup statistics once,
-    /// however often it is retried.
+    /// however often it is retried. The prompt must extend what was hashed for the request (see `chain`); a call
+    /// for a request already hashed costs its new tokens and the pages walked, not the prompt.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
     fn lookup(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<PyLookup> {
-        let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
-        let t = tokens.as_slice();
-        let l = py.detach(|| self.lock().lookup(request_id, &ns, t)).map_err(to_py)?;
+        let l = self.with_prompt(py, request_id, token_ids, |ix, t| ix.lookup(request_id, &ns, t))?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
@@ -198,10 +227,15 @@ impl PyIndex {
         token_ids: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyLookup> {
-        let tokens = int32s(token_ids, "token_ids")?;
         let ns = namespace_bytes(namespace)?;
-        let t = tokens.as_slice();
-        let l = py.detach(|| self.lock().peek(&ns, t)).map_err(to_py)?;
+        let l = match Prompt::of(token_ids)? {
+            Prompt::Array(a) => a.with(|ids| py.detach(|| self.lock().peek(&ns, ids))),
+            Prompt::Items(seq) => {
+                let w = Window::read(&seq, &[0..seq.len()?, 0..0, 0..0])?;
+                py.detach(|| self.lock().peek(&ns, &w))
+            }
+        }
+        .map_err(to_py)?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
@@ -235,28 +269,22 @@ impl PyIndex {
         namespace: Option<&Bound<'_, PyAny>>,
         block_table: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStorePlan> {
-        let tokens = int32s(token_ids, "token_ids")?;
-        let t = tokens.as_slice();
         let ns = namespace_bytes(namespace)?;
-        let seq_len = match seq_len {
-            Some(v) => non_negative("seq_len", v)?,
-            None => t.len(),
-        };
+        let seq_len: Option<usize> = seq_len.map(|v| non_negative("seq_len", v)).transpose()?;
         let table = block_table.map(|b| int32s(b, "block_table")).transpose()?;
-        if let Some(table) = &table {
-            let bt = table.as_slice();
-            let full = t.len() / self.block_size();
-            if bt.len() < full {
-                return Err(PyValueError::new_err(format!(
-                    "block_table has {} blocks, the prompt has {full} full blocks",
-                    bt.len()
-                )));
+        let bt = table.as_ref().map(|t| t.as_slice());
+        let plan = self.with_prompt(py, request_id, token_ids, |ix, t| {
+            if let Some(bt) = bt {
+                let full = t.len() / ix.config().block_size;
+                if bt.len() < full {
+                    return Err(invalid(format!("block_table has {} blocks, the prompt has {full} full blocks", bt.len())));
+                }
+                if let Some(i) = bt[..full].iter().position(|&b| b < 0) {
+                    return Err(invalid(format!("block_table[{i}] = {} is negative", bt[i])));
+                }
             }
-            if let Some(i) = bt[..full].iter().position(|&b| b < 0) {
-                return Err(PyValueError::new_err(format!("block_table[{i}] = {} is negative", bt[i])));
-            }
-        }
-        let plan = py.detach(|| self.lock().plan_store(request_id, &ns, t, seq_len)).map_err(to_py)?;
+            ix.plan_store(request_id, &ns, t, seq_len.unwrap_or(t.len()))
+        })?;
         let src_blocks = table.map(|table| {
             let bt = table.as_slice();
             PyArray1::from_iter(py, plan.page_indices.iter().map(|&i| bt[i as usize])).unbind()

@@ -1,11 +1,15 @@
 //! The Python module `kvtier._core`. Errors become exceptions in one place (`to_py`); every argument is checked
 //! here, at the boundary, and the message names the value that was wrong.
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use std::ops::Range;
+
+use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::error::Error;
+use crate::chain::{bad_token, TokenIds, TOKEN_LIMIT};
+use crate::error::{invalid, Error};
 
 mod copy;
 mod index;
@@ -18,11 +22,19 @@ create_exception!(
     "A lookup's pages or state left the host pool before the load began."
 );
 create_exception!(kvtier, CopyError, KvtierError, "A page copy could not be launched or failed.");
+create_exception!(
+    kvtier,
+    PromptMismatchError,
+    PyValueError,
+    "A request id was used for a prompt that does not extend the tokens already hashed for it (a request's tokens \
+     only grow until forget())."
+);
 
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::PromptMismatch { .. } => PromptMismatchError::new_err(msg),
         Error::UnknownRequest(_) | Error::UnknownTicket(_) => PyKeyError::new_err(msg),
         Error::Stale(_) => StaleLookupError::new_err(msg),
         Error::Copy(_) => CopyError::new_err(msg),
@@ -85,6 +97,161 @@ pub(crate) fn int32s<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Int32
     Ok(Int32s::Owned(out))
 }
 
+/// A prompt's token ids as the engine holds them, read without a conversion pass.
+pub(crate) enum Prompt<'py> {
+    /// A list or tuple of ints: only the items the index needs are read (`window`), under the GIL.
+    Items(Bound<'py, PyAny>),
+    /// A 1-D integer array read in place (numpy; array.array and CPU tensors through a numpy view of them).
+    Array(ArrayIds<'py>),
+}
+
+macro_rules! array_ids {
+    ($($variant:ident: $t:ty),*) => {
+        /// A contiguous 1-D numpy array of one integer dtype.
+        pub(crate) enum ArrayIds<'py> {
+            $($variant(PyReadonlyArray1<'py, $t>),)*
+        }
+
+        impl<'py> ArrayIds<'py> {
+            /// Calls `f` with the ids, read in place.
+            pub(crate) fn with<R>(&self, f: impl FnOnce(&(dyn TokenIds + Sync)) -> R) -> R {
+                match self {
+                    $(Self::$variant(a) => f(&a.as_slice().expect("checked contiguous")),)*
+                }
+            }
+
+            fn of(arr: &Bound<'py, PyUntypedArray>) -> PyResult<Option<Self>> {
+                let busy = |e| PyValueError::new_err(format!("token_ids: {e}"));
+                $(if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return Ok(Some(Self::$variant(a.try_readonly().map_err(busy)?)));
+                })*
+                Ok(None)
+            }
+        }
+    };
+}
+array_ids!(I32: i32, I64: i64, U32: u32, U64: u64, I16: i16, U16: u16, I8: i8, U8: u8);
+
+impl<'py> Prompt<'py> {
+    /// Lists and tuples are read item by item, numpy arrays in place; anything else (array.array, a CPU torch
+    /// tensor) through `numpy.asarray`, a view that copies nothing. Shape, dtype and layout are checked here.
+    pub(crate) fn of(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+            return Ok(Self::Items(obj.clone()));
+        }
+        if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+            return Err(PyTypeError::new_err(format!("token_ids must be ints, got {}", obj.get_type().name()?)));
+        }
+        let not_ids = |why: String| {
+            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            PyTypeError::new_err(format!("token_ids must be a list, tuple, integer array or CPU tensor, got {ty}{why}"))
+        };
+        let arr = match obj.cast::<PyUntypedArray>() {
+            Ok(a) => a.clone(),
+            Err(_) => {
+                let view = obj.py().import("numpy")?.getattr("asarray")?.call1((obj,));
+                let view = view.map_err(|e| not_ids(format!(" ({e})")))?;
+                let view = view.cast_into::<PyUntypedArray>().map_err(|e| not_ids(format!(" ({e})")))?;
+                if !matches!(view.dtype().kind(), b'i' | b'u') {
+                    return Err(not_ids(format!(" (dtype {})", view.dtype())));
+                }
+                view
+            }
+        };
+        let dtype = arr.dtype();
+        if !matches!(dtype.kind(), b'i' | b'u') {
+            return Err(PyTypeError::new_err(format!("token_ids must be integers, got dtype {dtype}")));
+        }
+        if arr.ndim() != 1 {
+            return Err(PyValueError::new_err(format!("token_ids must be 1-D, got shape {:?}", arr.shape())));
+        }
+        if !arr.is_contiguous() {
+            return Err(PyValueError::new_err(format!("token_ids must be contiguous, got strides {:?}", arr.strides())));
+        }
+        match ArrayIds::of(&arr)? {
+            Some(ids) => Ok(Self::Array(ids)),
+            None => Err(PyTypeError::new_err(format!("token_ids dtype {dtype} is not a native-order integer type"))),
+        }
+    }
+}
+
+/// Some of a prompt's ids, read from a list or tuple: `len` ids in all, of which the ranges in `pieces`.
+pub(crate) struct Window {
+    len: usize,
+    pieces: Vec<(usize, Vec<i32>)>,
+}
+
+impl TokenIds for Window {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> crate::error::Result<()> {
+        let end = start + out.len();
+        let (from, ids) = self
+            .pieces
+            .iter()
+            .find(|(from, ids)| *from <= start && end <= from + ids.len())
+            .ok_or_else(|| invalid(format!("token_ids {start}..{end} were not read: the request changed meanwhile")))?;
+        out.copy_from_slice(&ids[start - from..end - from]);
+        Ok(())
+    }
+}
+
+impl Window {
+    /// Reads `ranges` of a list or tuple of ints, range-checking each id (the error names the value and where).
+    pub(crate) fn read(seq: &Bound<'_, PyAny>, ranges: &[Range<usize>]) -> PyResult<Self> {
+        let len = seq.len()?;
+        let is_list = seq.is_instance_of::<PyList>();
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for r in ranges.iter().filter(|r| r.start < r.end) {
+            let mut ids = Vec::with_capacity(r.len());
+            for i in r.clone() {
+                ids.push(item(seq, is_list, i)?);
+            }
+            pieces.push((r.start, ids));
+        }
+        Ok(Self { len, pieces })
+    }
+}
+
+/// Item `i` of a list or tuple as a token id.
+fn item(seq: &Bound<'_, PyAny>, is_list: bool, i: usize) -> PyResult<i32> {
+    let py = seq.py();
+    let at = i as pyo3::ffi::Py_ssize_t;
+    // SAFETY: `seq` is a live list or tuple and the GIL is held. The item is a borrowed reference, used only while
+    // no Python code can run (an exact int converts without calling back into Python); anything else is read
+    // through an owned reference below.
+    unsafe {
+        let p = if is_list {
+            pyo3::ffi::PyList_GetItem(seq.as_ptr(), at)
+        } else {
+            pyo3::ffi::PyTuple_GetItem(seq.as_ptr(), at)
+        };
+        if p.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        if pyo3::ffi::PyLong_CheckExact(p) != 0 {
+            let v = pyo3::ffi::PyLong_AsLongLong(p);
+            if v == -1 && PyErr::take(py).is_some() {
+                return Err(PyValueError::new_err(bad_token(i, "an int beyond 64 bits").to_string()));
+            }
+            if !(0..TOKEN_LIMIT).contains(&v) {
+                return Err(PyValueError::new_err(bad_token(i, v).to_string()));
+            }
+            return Ok(v as i32);
+        }
+    }
+    let obj = seq.get_item(i)?;
+    let v: i64 = obj.extract().map_err(|_| {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        PyTypeError::new_err(format!("token_ids[{i}] must be an int, got {ty}"))
+    })?;
+    if !(0..TOKEN_LIMIT).contains(&v) {
+        return Err(PyValueError::new_err(bad_token(i, v).to_string()));
+    }
+    Ok(v as i32)
+}
+
 /// A namespace (tenant salt): None, str (UTF-8) or bytes.
 pub(crate) fn namespace_bytes(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
     match obj {
@@ -125,9 +292,11 @@ fn stat_table() -> Vec<(&'static str, &'static str, &'static str)> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("KEY_SCHEME", crate::chain::KEY_SCHEME)?;
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("StaleLookupError", py.get_type::<StaleLookupError>())?;
     m.add("CopyError", py.get_type::<CopyError>())?;
+    m.add("PromptMismatchError", py.get_type::<PromptMismatchError>())?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(stat_table, m)?)?;
     index::register(m)?;
