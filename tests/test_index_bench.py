@@ -31,9 +31,9 @@ def test_the_trace_case_stays_available(capsys):
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--tokens", "0"], "--tokens: must be a positive integer, got 0"),
-        (["--repeat", "-2"], "--repeat: must be a positive integer, got -2"),
-        (["--block-size", "x"], "--block-size: must be a positive integer, got 'x'"),
+        (["--tokens", "0"], "--tokens: must be >= 1, got 0"),
+        (["--repeat", "-2"], "--repeat: must be >= 1, got -2"),
+        (["--block-size", "x"], "--block-size: not an integer: 'x'"),
         (["--tokens", "100"], "--tokens must be > 2 x --block-size (128)"),
     ],
 )
