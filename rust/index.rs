@@ -261,7 +261,7 @@ impl Index {
     pub fn begin_load(&mut self, request_id: &str, hit_tokens: usize) -> Result<LoadPlan> {
         let bs = self.cfg.block_size;
         let keys = self.request(request_id)?.chain.keys();
-        if hit_tokens == 0 || hit_tokens % bs != 0 || hit_tokens / bs > keys.len() {
+        if hit_tokens == 0 || !hit_tokens.is_multiple_of(bs) || hit_tokens / bs > keys.len() {
             return Err(invalid(format!(
                 "hit_tokens must be a positive multiple of block_size {bs} within the {} hashed blocks, got {hit_tokens}",
                 keys.len()
@@ -814,7 +814,7 @@ mod fuzz {
                         let rid = format!("r{rid}");
                         let t = grown(&mut prompts, &rid, prompt);
                         let l = ix.lookup(&rid, b"", &t).unwrap();
-                        prop_assert!(l.hit_tokens <= l.limit_pages * 4 && l.hit_tokens % 4 == 0);
+                        prop_assert!(l.hit_tokens <= l.limit_pages * 4 && l.hit_tokens.is_multiple_of(4));
                         if l.hit_tokens > 0 {
                             if load {
                                 let p = ix.begin_load(&rid, l.hit_tokens).unwrap();
