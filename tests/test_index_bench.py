@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvtier.cli import main
 
 KEYS = ("tokens", "rust_lookup_us", "python_lookup_us", "rust_store_us", "python_store_us", "speedup_lookup",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import array
 
-import kvtier
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvtier
 from kvtier.pyindex import PyIndex
 
 BLOCK = 4

@@ -252,7 +252,8 @@ def test_master_killed_then_restarted() -> None:
                 assert codes == [RPC_FAIL]
             except L3Timeout as exc:
                 pending = exc.pending
-            print(f"\nfirst call after the master was killed: {time.monotonic() - t0:.3f} s, timed out: {pending is not None}")
+            took = time.monotonic() - t0
+            print(f"\nfirst call after the master was killed: {took:.3f} s, timed out: {pending is not None}")
             assert time.monotonic() - t0 < call_timeout_s + 0.5
             assert store.breaker.is_open
 

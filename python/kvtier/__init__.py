@@ -18,8 +18,8 @@ from kvtier._core import (
     __version__,
     build_info,
     fingerprint,
-    stat_table,
     group_key_string,
+    stat_table,
     state_key_string,
 )
 
