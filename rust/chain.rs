@@ -8,6 +8,9 @@ use crate::error::{invalid, Result};
 /// A block key.
 pub type Key = u128;
 
+/// Version of the chain key scheme (hash and chaining); part of every L3 fingerprint.
+pub const KEY_SCHEME: u32 = 2;
+
 /// Context string from which hash keys are derived (BLAKE3 `derive_key`).
 const KEY_CONTEXT: &str = "kvtier 2026-12 block hash key v1";
 /// Domain bytes so that a namespace can never hash to the same value as a block.

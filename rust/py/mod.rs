@@ -9,6 +9,7 @@ use crate::error::Error;
 
 mod copy;
 mod index;
+mod l3;
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of kvtier's own errors.");
 create_exception!(
@@ -124,6 +125,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CopyError", py.get_type::<CopyError>())?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     index::register(m)?;
+    l3::register(m)?;
     copy::register(m)?;
     Ok(())
 }
