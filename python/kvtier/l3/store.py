@@ -65,19 +65,30 @@ FAILURE_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
 # The key the breaker's probe asks about; it is never put.
 _PROBE_KEY = "kvtier/probe"
 
-# Mooncake's client logs through glog to stderr; 0.3.13 reads MC_LOG_DIR (write the log files there instead)
-# and MC_LOG_LEVEL when the library loads. Unless the deployment set either, its log goes to files here.
+# Mooncake's client logs through glog to stderr. 0.3.13 reads MC_LOG_DIR (write the log files there instead) and
+# MC_LOG_LEVEL when its library loads: unless the deployment set either, the log goes to files here (errors are
+# still copied to stderr).
 MOONCAKE_LOG_DIR = os.path.join(tempfile.gettempdir(), "kvtier-mooncake-log")
 
 
-def quiet_mooncake_logging(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
-    """Sends Mooncake's own log to files in `MOONCAKE_LOG_DIR` unless MC_LOG_DIR or MC_LOG_LEVEL is set (call
-    before mooncake is imported); returns the directory, or None when the deployment chose."""
-    if "MC_LOG_DIR" in environ or "MC_LOG_LEVEL" in environ:
-        return None
+def import_mooncake() -> Any:
+    """Imports ``mooncake.store`` with its log sent to `MOONCAKE_LOG_DIR`, unless MC_LOG_DIR or MC_LOG_LEVEL is
+    set or it was imported already. The variable is set only while the library loads: a child process (the
+    master, a holder) that inherited it would initialise glog twice and abort."""
+    import sys
+
+    if "mooncake.store" in sys.modules or "MC_LOG_DIR" in os.environ or "MC_LOG_LEVEL" in os.environ:
+        import mooncake.store
+
+        return mooncake.store
     os.makedirs(MOONCAKE_LOG_DIR, exist_ok=True)
-    environ["MC_LOG_DIR"] = MOONCAKE_LOG_DIR
-    return MOONCAKE_LOG_DIR
+    os.environ["MC_LOG_DIR"] = MOONCAKE_LOG_DIR
+    try:
+        import mooncake.store
+
+        return mooncake.store
+    finally:
+        os.environ.pop("MC_LOG_DIR", None)
 
 
 def error_name(code: int) -> str:
@@ -208,14 +219,13 @@ class MooncakeStore:
         # setup() retries for ~90 s when no master answers; a closed port is known in milliseconds.
         if not port_open(cfg.master_host, cfg.master_port, cfg.port_timeout_s):
             raise L3Unavailable(f"no Mooncake master accepts connections at {cfg.master_addr}")
-        quiet_mooncake_logging()
         try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+            mooncake = import_mooncake()
         except ImportError as exc:
             raise L3Unavailable(
                 f"mooncake is not importable ({exc}); install kvtier[mooncake] or kvtier[mooncake-cpu]"
             ) from exc
-        store = MooncakeDistributedStore()
+        store = mooncake.MooncakeDistributedStore()
         t0 = time.monotonic()
         try:
             rc = self._call(
@@ -235,7 +245,7 @@ class MooncakeStore:
         if rc != 0:
             raise L3Unavailable(f"Mooncake setup with master {cfg.master_addr} returned {rc} ({error_name(rc)})", rc)
         log.info("L3 store connected to %s in %.3f s", cfg.master_addr, time.monotonic() - t0)
-        return store, ReplicateConfig()
+        return store, mooncake.ReplicateConfig()
 
     def __enter__(self) -> MooncakeStore:
         return self
@@ -419,5 +429,5 @@ __all__ = [
     "Worker",
     "WorkerFull",
     "error_name",
-    "quiet_mooncake_logging",
+    "import_mooncake",
 ]

@@ -120,8 +120,12 @@ class Worker:
                 result = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - delivered to the submitter through the Future
                 fut.set_exception(exc)
+                del exc
             else:
                 fut.set_result(result)
+                del result
+            # While waiting for the next callable, the thread keeps nothing of this one alive.
+            del fut, fn, args, kwargs
 
 
 class Breaker:
