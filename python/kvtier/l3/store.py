@@ -167,6 +167,23 @@ class StoreConfig:
         return int(self.master_addr.rpartition(":")[2])
 
 
+# Mooncake 0.3.13 fails (TRANSFER_FAIL) the objects of a batch beyond this many buffer pieces in all.
+MAX_BATCH_PIECES = 2048
+
+
+def _in_batches(fn: Callable[[list[str], list[list[int]], list[list[int]]], list[int]], keys: list[str],
+                ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:  # fmt: skip
+    """``fn`` over consecutive runs of keys with at most MAX_BATCH_PIECES pieces each; the codes concatenated."""
+    out: list[int] = []
+    start = pieces = 0
+    for i, p in enumerate(ptrs):
+        if pieces + len(p) > MAX_BATCH_PIECES and i > start:
+            out += fn(keys[start:i], ptrs[start:i], sizes[start:i])
+            start, pieces = i, 0
+        pieces += len(p)
+    return out + fn(keys[start:], ptrs[start:], sizes[start:])
+
+
 def _check_keys(keys: Sequence[str]) -> None:
     for key in keys:
         if not isinstance(key, str) or not key:
@@ -319,15 +336,11 @@ class MooncakeStore:
         """Put each key's buffers, concatenated, as one object. 0 per stored key (also when the key existed: the
         first writer wins, nothing is overwritten), NO_SPACE when the Store is full, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded(
-            "put",
-            len(keys),
-            self._store.batch_put_from_multi_buffers,
-            list(keys),
-            [list(p) for p in ptrs_per_key],
-            [list(s) for s in sizes_per_key],
-            self._replicate,
-        )
+        return self._guarded("put", len(keys), _in_batches, self._put_batch, list(keys),
+                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
+
+    def _put_batch(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        return list(self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate))
 
     def exists_many(self, keys: Sequence[str]) -> list[int]:
         """1 when the key exists, 0 when not, negative on error. Grants the object a read lease."""
@@ -340,8 +353,8 @@ class MooncakeStore:
         """Read each key's object into its buffers, in order. Bytes read per key, OBJECT_NOT_FOUND for a missing
         (or meanwhile evicted) key, INVALID_PARAMS when the buffers are too small, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded("get", len(keys), self._get_sized, list(keys), [list(p) for p in ptrs_per_key],
-                             [list(s) for s in sizes_per_key])  # fmt: skip
+        return self._guarded("get", len(keys), _in_batches, self._get_sized, list(keys),
+                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
 
     def _get_sized(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """Mooncake answers a value shorter than the buffers with TRANSFER_FAIL, the code of a failing transfer

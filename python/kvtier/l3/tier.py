@@ -361,11 +361,12 @@ class L3Tier:
                 release = False
                 self._finish_later(e, plan)
                 raise
-            failed = [k for k, code in zip(keys, codes) if code != 0]
+            failed = [(k, code) for k, code in zip(keys, codes) if code != 0]
             self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes) if code == 0))
             if failed:
-                self.planner.unsee(plan, failed)
+                self.planner.unsee(plan, [k for k, _ in failed])
                 self._count("puts_failed", len(failed))
+                log.info("L3 put: %d of %d objects not stored, first %s: %s", len(failed), len(keys), *failed[0])
         except BaseException:
             self.planner.unsee(plan, plan.keys)
             raise
