@@ -144,6 +144,11 @@ impl PyFetchPlan {
     fn states(&self) -> usize {
         self.inner.states
     }
+    /// Bytes of every object (headers included).
+    #[getter]
+    fn bytes(&self) -> usize {
+        self.inner.objects.iter().map(Object::bytes).sum()
+    }
     fn request(&self) -> Request {
         request(&self.inner.objects)
     }

@@ -185,6 +185,8 @@ def _in_batches(fn: Callable[[list[str], list[list[int]], list[list[int]]], list
 
 
 def _check_keys(keys: Sequence[str]) -> None:
+    if set(map(type, keys)) <= {str} and all(keys):
+        return
     for key in keys:
         if not isinstance(key, str) or not key:
             raise ValueError(f"keys must be non-empty strings, got {key!r}")
@@ -197,6 +199,12 @@ def _check_buffers(keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], s
             f"keys, ptrs_per_key and sizes_per_key differ in length: {len(keys)}, {len(ptrs_per_key)}, "
             f"{len(sizes_per_key)}"
         )
+    # The common case, checked with C loops (a worker holding the GIL in a Python loop delays the engine loop).
+    counts = list(map(len, ptrs_per_key))
+    if counts == list(map(len, sizes_per_key)) and min(counts, default=1) > 0:
+        flat = [x for seq in (*ptrs_per_key, *sizes_per_key) for x in seq]
+        if set(map(type, flat)) <= {int} and min(flat, default=1) > 0:
+            return
     for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key):
         if len(ptrs) != len(sizes) or not ptrs:
             raise ValueError(f"key {key!r}: need as many sizes as pointers, at least one, got {ptrs!r}, {sizes!r}")

@@ -419,7 +419,7 @@ class L3Tier:
             self._stats["hits"] += 1
             self._stats["pages_loaded"] += plan.pages
             self._stats["states_loaded"] += plan.states
-            self._stats["bytes_loaded"] += sum(sum(s) for s in plan.request()[2])
+            self._stats["bytes_loaded"] += plan.bytes
 
     def _reject(self, store: Store, rejected: list[tuple[str, str]]) -> None:
         """Objects that failed their check are never served; they are removed so an honest writer can put the
