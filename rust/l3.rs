@@ -136,7 +136,13 @@ impl ObjectFormat {
 
     /// Checks a fetched object: Ok only when every header field is what this cache would write for `chain_key`
     /// and the digest matches the payload.
-    pub fn check(&self, header: &[u8; HEADER_BYTES], chain_key: Key, kind: ObjectKind, payload: &[&[u8]]) -> std::result::Result<(), Reject> {
+    pub fn check(
+        &self,
+        header: &[u8; HEADER_BYTES],
+        chain_key: Key,
+        kind: ObjectKind,
+        payload: &[&[u8]],
+    ) -> std::result::Result<(), Reject> {
         let u32_at = |i: usize| u32::from_le_bytes(header[i..i + 4].try_into().expect("4 bytes"));
         if &header[..8] != MAGIC {
             return Err(Reject::Magic);
@@ -256,7 +262,9 @@ mod tests {
 
     #[test]
     fn fingerprint_ignores_order_and_sees_every_field() {
-        let f = |v: &[(&str, &str)]| fingerprint(&v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>());
+        let f = |v: &[(&str, &str)]| {
+            fingerprint(&v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>())
+        };
         let a = f(&[("block_size", "16"), ("dtype", "bf16")]).unwrap();
         assert_eq!(a, f(&[("dtype", "bf16"), ("block_size", "16")]).unwrap());
         assert_ne!(a, f(&[("block_size", "32"), ("dtype", "bf16")]).unwrap());
@@ -281,7 +289,10 @@ mod tests {
             assert_eq!(f.check(&h, 42, ObjectKind::Group, &parts), Ok(()));
             assert_eq!(f.check(&h, 43, ObjectKind::Group, &parts), Err(Reject::ChainKey));
             assert_eq!(f.check(&h, 42, ObjectKind::State, &parts), Err(Reject::Kind));
-            assert_eq!(ObjectFormat::new("fp-b", secret).check(&h, 42, ObjectKind::Group, &parts), Err(Reject::Fingerprint));
+            assert_eq!(
+                ObjectFormat::new("fp-b", secret).check(&h, 42, ObjectKind::Group, &parts),
+                Err(Reject::Fingerprint)
+            );
             let mut flipped = pages[1].clone();
             flipped[5] ^= 0x10;
             assert_eq!(f.check(&h, 42, ObjectKind::Group, &[&pages[0], &flipped]), Err(Reject::Digest));

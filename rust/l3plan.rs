@@ -230,7 +230,10 @@ impl Planner {
         let keys = &ready.page_keys;
         let groups: Vec<usize> = (0..keys.len() / g).filter(|&j| self.seen.insert(keys[(j + 1) * g - 1])).collect();
         let has_states = ix.config().state_slots > 0 && self.host.state_bytes > 0;
-        let states: Vec<usize> = ready.state_pages.iter().copied()
+        let states: Vec<usize> = ready
+            .state_pages
+            .iter()
+            .copied()
             .filter(|&p| has_states && p > 0 && p <= keys.len() && p % g == 0)
             .filter(|&p| self.seen.insert(keys[p - 1] ^ STATE_ID))
             .collect();
@@ -313,7 +316,8 @@ impl Planner {
         let keys = chain[..g1 * g].to_vec();
         let has_states = ix.config().state_slots > 0;
         let ends: Vec<Key> = (g0..g1).map(|j| keys[(j + 1) * g - 1]).collect();
-        let state_on_host: Vec<bool> = ends.iter().map(|&k| has_states && ix.states().ready_slot(k).is_some()).collect();
+        let state_on_host: Vec<bool> =
+            ends.iter().map(|&k| has_states && ix.states().ready_slot(k).is_some()).collect();
         let asked: Vec<usize> = (0..ends.len()).filter(|&i| has_states && !state_on_host[i]).collect();
         let mut exists_keys: Vec<String> = ends.iter().map(|&k| self.group_key(k)).collect();
         exists_keys.extend(asked.iter().map(|&i| self.state_key(ends[i])));
@@ -381,7 +385,12 @@ impl Planner {
                 };
                 all.push((at, self.host.page_bytes));
             }
-            objects.push(Object { key: self.group_key(end(i)), chain_key: end(i), kind: ObjectKind::Group, pieces: all });
+            objects.push(Object {
+                key: self.group_key(end(i)),
+                chain_key: end(i),
+                kind: ObjectKind::Group,
+                pieces: all,
+            });
         }
         if let (Some(k), Some(Some(s))) = (state_at, slots.state_slots.first()) {
             let pieces = vec![(self.fetch_headers.take(), HEADER_BYTES), (self.state_ptr(*s), self.host.state_bytes)];
@@ -482,27 +491,37 @@ mod tests {
 
     /// Copies a put's objects into a map, as a Store would keep them.
     fn put_all(plan: &PutPlan) -> std::collections::HashMap<String, Vec<u8>> {
-        plan.objects.iter().map(|o| {
-            // SAFETY: test buffers outlive the plan.
-            let bytes = o.pieces.iter().flat_map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec()).collect();
-            (o.key.clone(), bytes)
-        }).collect()
+        plan.objects
+            .iter()
+            .map(|o| {
+                // SAFETY: test buffers outlive the plan.
+                let bytes = o
+                    .pieces
+                    .iter()
+                    .flat_map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec())
+                    .collect();
+                (o.key.clone(), bytes)
+            })
+            .collect()
     }
 
     fn get_all(plan: &FetchPlan, store: &std::collections::HashMap<String, Vec<u8>>) -> Vec<i64> {
-        plan.objects.iter().map(|o| match store.get(&o.key) {
-            Some(v) if v.len() == o.bytes() => {
-                let mut at = 0;
-                for &(p, n) in &o.pieces {
-                    // SAFETY: test buffers outlive the plan.
-                    unsafe { std::ptr::copy_nonoverlapping(v[at..].as_ptr(), p as *mut u8, n) };
-                    at += n;
+        plan.objects
+            .iter()
+            .map(|o| match store.get(&o.key) {
+                Some(v) if v.len() == o.bytes() => {
+                    let mut at = 0;
+                    for &(p, n) in &o.pieces {
+                        // SAFETY: test buffers outlive the plan.
+                        unsafe { std::ptr::copy_nonoverlapping(v[at..].as_ptr(), p as *mut u8, n) };
+                        at += n;
+                    }
+                    v.len() as i64
                 }
-                v.len() as i64
-            }
-            Some(_) => WRONG_LENGTH,
-            None => -704,
-        }).collect()
+                Some(_) => WRONG_LENGTH,
+                None => -704,
+            })
+            .collect()
     }
 
     #[test]

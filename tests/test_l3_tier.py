@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -18,12 +19,13 @@ import torch
 
 pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
 
+from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
 from kvtier.engine import Engine, EngineConfig  # noqa: E402
-from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.l3 import MooncakeStore, Shard, StoreConfig  # noqa: E402
 from kvtier.l3.server import LocalMooncake  # noqa: E402
+from kvtier.l3.store import StoreWrapper  # noqa: E402
 from kvtier.workload import Conversations  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
@@ -154,7 +156,8 @@ def test_second_process_hits_from_l3_with_exact_bytes(mooncake_server, tmp_path)
     cache.close()
 
     out = tmp_path / "child.json"
-    code = f"import sys; sys.path[:0] = {json.dumps(sys.path)}; import test_l3_tier as t; t.child(sys.argv[1], sys.argv[2])"
+    code = (f"import sys; sys.path[:0] = {json.dumps(sys.path)}; import test_l3_tier as t; "
+            "t.child(sys.argv[1], sys.argv[2])")  # fmt: skip
     subprocess.run([sys.executable, "-c", code, mooncake_server.master_addr, str(out)], check=True, cwd=HERE,
                    timeout=120)  # fmt: skip
     r = json.loads(out.read_text())
@@ -341,41 +344,25 @@ def test_l3_needs_the_model_identity():
         Shard(tp_rank=2, tp_size=2)
 
 
-class Raising:
-    """A Store whose put, exists and get raise RuntimeError (after the planner held or reserved slots)."""
+class Raising(StoreWrapper):
+    """A Store whose put, get (and exists) raise RuntimeError, after the planner held or reserved slots."""
 
     def __init__(self, store: MooncakeStore, exists_too: bool) -> None:
-        self.inner, self.exists_too, self.calls = store, exists_too, 0
+        super().__init__(store)
+        self.exists_too, self.calls = exists_too, 0
 
-    @property
-    def breaker_open(self) -> bool:
-        return self.inner.breaker_open
-
-    def register(self, ptr: int, size: int) -> None:
-        self.inner.register(ptr, size)
-
-    def unregister(self, ptr: int) -> None:
-        self.inner.unregister(ptr)
+    def fail(self, what: str) -> NoReturn:
+        self.calls += 1
+        raise RuntimeError(f"injected {what} failure")
 
     def put_many(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        raise RuntimeError("injected put failure")
+        self.fail("put")
 
     def exists_many(self, keys):  # type: ignore[no-untyped-def]
-        if self.exists_too:
-            self.calls += 1
-            raise RuntimeError("injected exists failure")
-        return self.inner.exists_many(keys)
+        return self.fail("exists") if self.exists_too else self.inner.exists_many(keys)
 
     def get_many(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        raise RuntimeError("injected get failure")
-
-    def remove(self, key: str, force: bool = False) -> int:
-        return self.inner.remove(key, force)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.inner.close(timeout_s)
+        self.fail("get")
 
 
 @pytest.mark.parametrize("exists_too", [False, True])
@@ -448,7 +435,9 @@ def test_master_killed_mid_workload_then_back():
         worst = max(calls)
         assert worst < 0.05, f"an engine-loop call took {worst * 1e3:.1f} ms around a master kill"
         s = settle(a)
-        assert s["l3_bytes_put"] > put_after_restart[0], {k: v for k, v in s.items() if k.startswith("l3")}  # turns 4 and 5 were put to the new master
+        assert s["l3_bytes_put"] > put_after_restart[0], {
+            k: v for k, v in s.items() if k.startswith("l3")
+        }  # turns 4 and 5 were put to the new master
         b = attach(engine(), server.master_addr)
         assert w.run(b.engine) == off
         assert settle(b)["l3_hits"] > 0
@@ -565,7 +554,7 @@ def test_caches_dropped_without_close_release_threads_and_fds(mooncake_server):
 
     def settled(start: tuple[int, int], timeout_s: float) -> tuple[int, int]:
         deadline = time.monotonic() + timeout_s
-        while not all(n <= m for n, m in zip(counts(), start)) and time.monotonic() < deadline:
+        while not all(n <= m for n, m in zip(counts(), start, strict=False)) and time.monotonic() < deadline:
             time.sleep(0.25)
         return counts()
 

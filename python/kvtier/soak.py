@@ -20,14 +20,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
 from kvtier.workload import Conversations
-
-if TYPE_CHECKING:
-    from kvtier.l3.store import Store, StoreConfig
 
 
 class Fault(RuntimeError):
@@ -53,7 +51,9 @@ class Summary:
     seconds: float = 0.0
 
     def line(self) -> str:
-        return "soak: " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
+        return "soak: " + " ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items()
+        )
 
 
 def rss_mib() -> float:
@@ -74,34 +74,19 @@ def flaky(fn: Any, rng: random.Random, p: float, summary: Summary) -> Any:
     return call
 
 
-class FaultyStore:
-    """A Store (``kvtier.l3.Store``) over a real client that fails on purpose: puts and gets that fail, objects
-    removed between exists() and get(), short reads, values corrupted on the way in (one bit flipped) and
-    values put under another object's key (misplaced). None of them may ever be served."""
+class FaultyStore(StoreWrapper):
+    """A Store over a real client that fails on purpose: puts and gets that fail, objects removed between exists()
+    and get(), short reads, values corrupted on the way in (one bit flipped) and values put under another object's
+    key (misplaced). None of them may ever be served."""
 
     def __init__(self, store: Store, rng: random.Random, p: float, summary: Summary) -> None:
-        self._store, self._rng, self._p, self._summary = store, rng, p, summary
+        super().__init__(store)
+        self._rng, self._p, self._summary = rng, p, summary
 
     def _fault(self) -> bool:
         hit = self._rng.random() < self._p
         self._summary.faults += hit
         return hit
-
-    @property
-    def breaker_open(self) -> bool:
-        return self._store.breaker_open
-
-    def register(self, ptr: int, size: int) -> None:
-        self._store.register(ptr, size)
-
-    def unregister(self, ptr: int) -> None:
-        self._store.unregister(ptr)
-
-    def remove(self, key: str, force: bool = False) -> int:
-        return self._store.remove(key, force)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._store.close(timeout_s)
 
     def put_many(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         if self._fault():
@@ -110,19 +95,19 @@ class FaultyStore:
         if same and self._fault():
             keys = list(keys)
             keys[0], keys[same[0]] = keys[same[0]], keys[0]  # misplaced: each value under the other's key
-        return self._store.put_many(keys, ptrs, sizes)
+        return self.inner.put_many(keys, ptrs, sizes)
 
     def exists_many(self, keys: Sequence[str]) -> list[int]:
-        codes = self._store.exists_many(keys)
-        present = [k for k, c in zip(keys, codes) if c == 1]
+        codes = self.inner.exists_many(keys)
+        present = [k for k, c in zip(keys, codes, strict=False) if c == 1]
         if present and self._fault():
-            self._store.remove(self._rng.choice(present), True)  # lost between exists() and get()
+            self.inner.remove(self._rng.choice(present), True)  # lost between exists() and get()
         return codes
 
     def get_many(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         if self._fault():
             return [-800] * len(keys)
-        got = self._store.get_many(keys, ptrs, sizes)
+        got = self.inner.get_many(keys, ptrs, sizes)
         if got and got[0] > 0 and self._fault():
             got = [got[0] - 16, *got[1:]]  # a short read
         if got and got[0] == sum(sizes[0]) and self._fault():
@@ -159,7 +144,6 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     has_state = engine.gpu_states is not None
     l3_settings: dict[str, Any] = {}
     if l3 is not None:
-        from kvtier.l3.store import MooncakeStore
 
         def faulty(config: StoreConfig) -> Store:
             return FaultyStore(MooncakeStore(config), rng, fault_p, summary)

@@ -321,20 +321,27 @@ impl PyL3Planner {
             let mut ix = index.lock();
             if admit { ix.complete(p.inner.ticket) } else { ix.abort(p.inner.ticket) }.map_err(to_py)?;
         } else {
-            return Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)));
+            return Err(PyTypeError::new_err(format!(
+                "plan must be a PutPlan or FetchPlan, got {}",
+                plan.get_type().name()?
+            )));
         }
         Ok(true)
     }
 
     /// Forgets that these keys of a plan were put or seen (they failed: a later store may put them again).
     fn unsee(&self, plan: &Bound<'_, PyAny>, keys: Vec<String>) -> PyResult<()> {
-        let pick = |objects: &[Object]| -> Vec<Object> { objects.iter().filter(|o| keys.contains(&o.key)).cloned().collect() };
+        let pick =
+            |objects: &[Object]| -> Vec<Object> { objects.iter().filter(|o| keys.contains(&o.key)).cloned().collect() };
         let objects = if let Ok(p) = plan.cast::<PyPutPlan>() {
             pick(&locked(&p.get().inner).objects)
         } else if let Ok(p) = plan.cast::<PyFetchPlan>() {
             pick(&p.get().inner.objects)
         } else {
-            return Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)));
+            return Err(PyTypeError::new_err(format!(
+                "plan must be a PutPlan or FetchPlan, got {}",
+                plan.get_type().name()?
+            )));
         };
         self.lock().unsee(&objects.iter().collect::<Vec<_>>());
         Ok(())

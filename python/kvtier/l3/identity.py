@@ -40,7 +40,11 @@ class Shard:
 
     def fields(self) -> dict[str, str]:
         tp = "replicated" if self.kv_replicated else f"{self.tp_rank}/{self.tp_size}"
-        return {"shard.tp": tp, "shard.pp": f"{self.pp_rank}/{self.pp_size}", "shard.cp": f"{self.cp_rank}/{self.cp_size}"}
+        return {
+            "shard.tp": tp,
+            "shard.pp": f"{self.pp_rank}/{self.pp_size}",
+            "shard.cp": f"{self.cp_rank}/{self.cp_size}",
+        }
 
 
 def layout_fields(

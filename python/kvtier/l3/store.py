@@ -92,7 +92,7 @@ def import_mooncake() -> Any:
 
 
 def error_name(code: int) -> str:
-    """"OK", a byte count, or the name of a Mooncake return code, for log messages."""
+    """ "OK", a byte count, or the name of a Mooncake return code, for log messages."""
     if code >= 0:
         return "OK" if code == 0 else f"{code} bytes"
     return ERROR_NAMES.get(code, f"ERROR_{-code}")
@@ -167,6 +167,43 @@ class StoreConfig:
         return int(self.master_addr.rpartition(":")[2])
 
 
+class StoreWrapper:
+    """A Store that passes every call to another one: the base of Stores that change a few calls (fault
+    injection in the soak and the tests)."""
+
+    def __init__(self, store: Store) -> None:
+        self.inner = store
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.inner.breaker_open
+
+    def register(self, ptr: int, size: int) -> None:
+        self.inner.register(ptr, size)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def put_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return self.inner.put_many(keys, ptrs_per_key, sizes_per_key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[int]:
+        return self.inner.exists_many(keys)
+
+    def get_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self.inner.remove(key, force)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.inner.close(timeout_s)
+
+
 # Mooncake 0.3.13 fails (TRANSFER_FAIL) the objects of a batch beyond this many buffer pieces in all.
 MAX_BATCH_PIECES = 2048
 
@@ -192,7 +229,9 @@ def _check_keys(keys: Sequence[str]) -> None:
             raise ValueError(f"keys must be non-empty strings, got {key!r}")
 
 
-def _check_buffers(keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]) -> None:
+def _check_buffers(
+    keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+) -> None:
     _check_keys(keys)
     if not len(keys) == len(ptrs_per_key) == len(sizes_per_key):
         raise ValueError(
@@ -205,10 +244,10 @@ def _check_buffers(keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], s
         flat = [x for seq in (*ptrs_per_key, *sizes_per_key) for x in seq]
         if set(map(type, flat)) <= {int} and min(flat, default=1) > 0:
             return
-    for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key):
+    for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key, strict=False):
         if len(ptrs) != len(sizes) or not ptrs:
             raise ValueError(f"key {key!r}: need as many sizes as pointers, at least one, got {ptrs!r}, {sizes!r}")
-        for ptr, size in zip(ptrs, sizes):
+        for ptr, size in zip(ptrs, sizes, strict=False):
             if not isinstance(ptr, int) or ptr <= 0:
                 raise ValueError(f"key {key!r}: buffer pointers must be positive ints, got {ptr!r}")
             if not isinstance(size, int) or size <= 0:
@@ -447,6 +486,7 @@ __all__ = [
     "MooncakeStore",
     "Store",
     "StoreConfig",
+    "StoreWrapper",
     "Worker",
     "WorkerFull",
     "error_name",

@@ -361,8 +361,8 @@ class L3Tier:
                 release = False
                 self._finish_later(e, plan)
                 raise
-            failed = [(k, code) for k, code in zip(keys, codes) if code != 0]
-            self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes) if code == 0))
+            failed = [(k, code) for k, code in zip(keys, codes, strict=False) if code != 0]
+            self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes, strict=False) if code == 0))
             if failed:
                 self.planner.unsee(plan, [k for k, _ in failed])
                 self._count("puts_failed", len(failed))
