@@ -37,4 +37,6 @@ def test_soak_with_l3_faults_and_a_master_restart(caplog):
         s = soak(float(os.environ.get("KVTIER_SOAK_SECONDS", "15")), seed=4, l3=server)
     print(s.line())
     assert s.mismatches == 0
-    assert s.l3_hits > 0 and s.l3_restarts == 1 and s.faults > 0 and s.l3_rejected > 0
+    assert s.l3_hits > 0 and s.l3_restarts == 1 and s.faults > 0
+    # Every short or corrupted value a get returned was rejected (and none served: no mismatch).
+    assert s.l3_rejected >= s.l3_tampered, s

@@ -40,6 +40,7 @@ class Summary:
     hit_tokens: int = 0
     l3_hits: int = 0
     l3_rejected: int = 0
+    l3_tampered: int = 0  # values a get returned short or corrupted: each must be rejected
     l3_restarts: int = 0
     deferred: int = 0
     evicted: int = 0
@@ -110,9 +111,11 @@ class FaultyStore(StoreWrapper):
         got = self.inner.get_many(keys, ptrs, sizes)
         if got and got[0] > 0 and self._fault():
             got = [got[0] - 16, *got[1:]]  # a short read
+            self._summary.l3_tampered += 1
         if got and got[0] == sum(sizes[0]) and self._fault():
             at = ptrs[0][-1] + self._rng.randrange(sizes[0][-1])
             ctypes.c_uint8.from_address(at).value ^= 1 << self._rng.randrange(8)  # corrupted: one bit flipped
+            self._summary.l3_tampered += 1
         return got
 
 
