@@ -579,6 +579,22 @@ mod tests {
     }
 
     #[test]
+    fn ready_names_only_the_run_from_page_zero_that_the_store_covered() {
+        let (mut ix, _host, _p) = setup(2, 16, 0);
+        let tokens: Vec<i32> = (0..25).collect();
+        let first = ix.plan_store("a", b"", &tokens[..13], 13).unwrap();
+        // Pages 0..3 are being filled by the first store: the second one holds none of them, so it names none.
+        let second = ix.plan_store("b", b"", &tokens, 25).unwrap();
+        assert_eq!(second.page_indices, vec![3, 4, 5]);
+        assert_eq!(ix.finish(second.ticket).unwrap(), Some(Ready { page_keys: vec![], state_pages: vec![] }));
+        let ready = ix.finish(first.ticket).unwrap().unwrap();
+        assert_eq!(ready.page_keys, ix.keys("a").unwrap()[..3].to_vec());
+        let again = ix.plan_store("c", b"", &tokens[..13], 13).unwrap();
+        assert_eq!(ix.finish(again.ticket).unwrap(), None, "nothing new became ready");
+        ix.check().unwrap();
+    }
+
+    #[test]
     fn fetch_snaps_to_the_deepest_group_end_with_a_state_and_reads_present_pages_into_scratch() {
         let (mut ix, _host, mut p) = setup(2, 16, 4);
         let tokens: Vec<i32> = (0..33).collect();

@@ -75,18 +75,15 @@ def import_mooncake() -> Any:
     """Imports ``mooncake.store`` with its log sent to `MOONCAKE_LOG_DIR`, unless MC_LOG_DIR or MC_LOG_LEVEL is
     set or it was imported already. The variable is set only while the library loads: a child process (the
     master, a holder) that inherited it would initialise glog twice and abort."""
+    import importlib
     import sys
 
     if "mooncake.store" in sys.modules or "MC_LOG_DIR" in os.environ or "MC_LOG_LEVEL" in os.environ:
-        import mooncake.store
-
-        return mooncake.store
+        return importlib.import_module("mooncake.store")
     os.makedirs(MOONCAKE_LOG_DIR, exist_ok=True)
     os.environ["MC_LOG_DIR"] = MOONCAKE_LOG_DIR
     try:
-        import mooncake.store
-
-        return mooncake.store
+        return importlib.import_module("mooncake.store")
     finally:
         os.environ.pop("MC_LOG_DIR", None)
 
