@@ -76,14 +76,26 @@ pub struct StorePlan {
 
 #[derive(Debug)]
 enum TicketKind {
-    Load {
-        hit_tokens: usize,
-    },
-    Store,
+    Load { hit_tokens: usize },
+    /// `lead`: the ticket's first `lead` pages are the prompt's pages 0..lead (what an L3 put may name).
+    Store { lead: usize },
     /// Ready entries held while an L3 put reads them.
     Hold,
     /// Fresh entries being filled from L3.
     Fetch,
+}
+
+/// What a completed store made ready: the chain keys of the prompt's pages 0..n it covered (held or new) and
+/// the boundaries, in pages, of the states it stored.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ready {
+    pub page_keys: Vec<Key>,
+    pub state_pages: Vec<usize>,
+}
+
+/// The snap rule of a hit: the deepest boundary `p` in `1..=pages` (in pages) that has a state, 0 if none.
+pub(crate) fn deepest_with_state(pages: usize, has_state: impl Fn(usize) -> bool) -> usize {
+    (1..=pages).rev().find(|&p| has_state(p)).unwrap_or(0)
 }
 
 /// Entries held for an L3 put (`hold`) or reserved for an L3 get (`plan_fetch`): one slot per key given, None
@@ -240,7 +252,7 @@ impl Index {
         let ready_pages = keys.iter().take_while(|&&k| self.pages.ready_slot(k).is_some()).count();
         let mut hit_pages = ready_pages;
         if self.has_states() {
-            hit_pages = (1..=ready_pages).rev().find(|&p| self.states.ready_slot(keys[p - 1]).is_some()).unwrap_or(0);
+            hit_pages = deepest_with_state(ready_pages, |p| self.states.ready_slot(keys[p - 1]).is_some());
         }
         let mut hit_tokens = hit_pages * bs;
         if hit_tokens < self.cfg.min_hit_tokens.max(1) {
@@ -314,7 +326,7 @@ impl Index {
         let keys = self.chain(request_id, namespace, tokens)?.to_vec();
         let bs = self.cfg.block_size;
         if keys.len() * bs < self.cfg.min_hit_tokens {
-            let ticket = self.issue(Ticket { kind: TicketKind::Store, pages: Vec::new(), states: Vec::new() });
+            let ticket = self.issue(Ticket { kind: TicketKind::Store { lead: 0 }, pages: Vec::new(), states: Vec::new() });
             return Ok(StorePlan { ticket, ..StorePlan::default() });
         }
 
@@ -388,8 +400,9 @@ impl Index {
         } else if pages_wanted || states_wanted {
             self.stats.store_skipped += 1;
         }
+        let lead = pages.iter().enumerate().take_while(|&(j, p)| p.0 == j).count();
         let ticket = self.issue(Ticket {
-            kind: TicketKind::Store,
+            kind: TicketKind::Store { lead },
             pages: pages.iter().map(|&(_, s, new)| (s, new)).collect(),
             states,
         });
@@ -460,8 +473,15 @@ impl Index {
     /// The copies of a ticket finished: stored entries become ready; every reference of the ticket is dropped,
     /// deepest page first, so that a prompt's first pages are the most recently used.
     pub fn complete(&mut self, ticket: u64) -> Result<()> {
+        self.finish(ticket).map(drop)
+    }
+
+    /// `complete`, reporting what a store made ready (None for other tickets, or a store that made nothing
+    /// new ready): the chain keys of the prompt's pages 0.. that the ticket covered, and its new states'
+    /// boundaries in pages. This is what the L3 write-behind puts.
+    pub fn finish(&mut self, ticket: u64) -> Result<Option<Ready>> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
-        let stored = matches!(t.kind, TicketKind::Store);
+        let stored = matches!(t.kind, TicketKind::Store { .. });
         for &(s, new) in t.pages.iter().rev() {
             if new {
                 self.pages.mark_ready(s)?;
@@ -480,7 +500,18 @@ impl Index {
             self.stats.pages_loaded += t.pages.len() as u64;
             self.stats.states_loaded += t.states.len() as u64;
         }
-        Ok(())
+        let TicketKind::Store { lead } = t.kind else { return Ok(None) };
+        if !t.pages.iter().chain(&t.states).any(|&(_, new)| new) {
+            return Ok(None);
+        }
+        let key_of = |pool: &Pool, s: u32| pool.entry(s).map(|e| e.key);
+        let page_keys: Vec<Key> = t.pages[..lead].iter().map_while(|&(s, _)| key_of(&self.pages, s)).collect();
+        let state_pages = t.states.iter()
+            .filter(|&&(_, new)| new)
+            .filter_map(|&(s, _)| key_of(&self.states, s))
+            .filter_map(|k| page_keys.iter().rposition(|&p| p == k).map(|i| i + 1))
+            .collect();
+        Ok(Some(Ready { page_keys, state_pages }))
     }
 
     /// The copies of a ticket failed: stored or fetched entries are discarded (their slots freed), held ones

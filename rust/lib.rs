@@ -4,6 +4,7 @@ pub mod chain;
 pub mod error;
 pub mod index;
 pub mod l3;
+pub mod l3plan;
 pub mod pool;
 pub mod stats;
 pub mod cuda;

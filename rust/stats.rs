@@ -110,6 +110,8 @@ pub const TABLE: &[StatInfo] = &[
     stat("l3_states_loaded", Counter, "States fetched from L3"),
     stat("l3_bytes_loaded", Counter, "Bytes fetched from L3"),
     stat("l3_gets_failed", Counter, "L3 gets that failed"),
+    stat("l3_rejected", Counter, "L3 objects that failed their header, length or digest check (never served)"),
+    stat("l3_rejected_removed", Counter, "Rejected L3 objects removed from the Store so an honest writer can put them"),
     stat("l3_deadline_passed", Counter, "L3 fetches not ready within l3_deadline_ms"),
     stat("l3_puts_submitted", Counter, "L3 objects submitted for a put"),
     stat("l3_puts_present", Counter, "L3 puts skipped: the Store has the object"),

@@ -135,8 +135,11 @@ class HostPrefixCache:
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
     ``state=`` (its sequence object). Settings: see ``CacheSettings`` (arguments or ``KVTIER_*`` variables).
-    ``fingerprint_fields`` name what else decides the bytes of a page (model config hash, dtype...): they go
-    into the L3 keys' fingerprint, so caches of different models never read each other's objects.
+    L3 (``l3="mooncake"``): ``fingerprint_fields`` name what else decides the bytes of a page (the model's
+    config and weights identity, dtype...) and go into the L3 keys' fingerprint, so caches of different models
+    never read each other's objects; L3 refuses to start without them (pass ``{}`` to say that nothing else
+    does). ``shard`` (``kvtier.l3.Shard``) names the parallel ranks whose part of each page this process holds.
+    ``l3_store(config)`` builds the Store client (default: Mooncake Store).
     """
 
     def __init__(
@@ -149,6 +152,8 @@ class HostPrefixCache:
         load_state: StateFn | None = None,
         env: dict[str, str] | None = None,
         fingerprint_fields: Mapping[str, str] | None = None,
+        shard: Any = None,
+        l3_store: Callable[[Any], Any] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = s = CacheSettings.resolve(env, **settings)
@@ -223,15 +228,21 @@ class HostPrefixCache:
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
         self._l3: Any = None
         if s.l3 == "mooncake":
+            from kvtier.l3.identity import Shard, layout_fields
             from kvtier.l3.tier import L3Tier
 
+            if fingerprint_fields is None:
+                raise ValueError("l3='mooncake' needs fingerprint_fields naming the model (its config and weights "
+                                 "identity), or fingerprint_fields={} to say that the page geometry alone decides "
+                                 "the bytes")  # fmt: skip
+            if shard is not None and not isinstance(shard, Shard):
+                raise TypeError(f"shard must be a kvtier.l3.Shard, got {type(shard).__name__}")
             layout = "page-first" if isinstance(pages, torch.Tensor) else f"layer-first/{len(layers)}"
-            fields = {"page_bytes": str(self.page_bytes), "state_bytes": str(self.state_bytes),
-                      "block_size": str(block_size), "layout": layout, "hash_kind": self.index.hash_kind,
-                      "key_id": self.index.key_id}  # fmt: skip
-            fields.update({f"engine.{k}": str(v) for k, v in (fingerprint_fields or {}).items()})
+            fields = layout_fields(page_bytes=self.page_bytes, state_bytes=self.state_bytes, block_size=block_size,
+                                   layout=layout, hash_kind=self.index.hash_kind, key_id=self.index.key_id,
+                                   shard=shard or Shard(), model_fields=fingerprint_fields)  # fmt: skip
             self._l3 = L3Tier(s, index=self.index, page_pool=self._host_pages, state_pool=self._host_states,
-                              block_size=block_size, fingerprint_fields=fields)  # fmt: skip
+                              fingerprint_fields=fields, store_factory=l3_store)  # fmt: skip
         if s.preallocate:
             self._grow_all()
 
@@ -322,10 +333,8 @@ class HostPrefixCache:
         if self._l3 is not None and self._l3.waiting(request_id):
             return -1
         look = self.index.lookup(request_id, tokens, namespace=namespace)
-        if self._l3 is not None and look.ready_pages < look.limit_pages:
-            if self._l3.start_fetch(request_id, lambda: self.index.keys(request_id), look.ready_pages,
-                                    look.limit_pages):  # fmt: skip
-                return -1
+        if self._l3 is not None and self._l3.start_fetch(request_id, look.ready_pages, look.limit_pages):
+            return -1
         hit = look.hit_tokens
         if hit == 0:
             return 0
@@ -390,8 +399,6 @@ class HostPrefixCache:
             if pinning and self.index.stats()["store_skipped"] > skipped:
                 self._skipped_while_pinning()
             return
-        if self._l3 is not None:  # L3: put what this ticket stores once its copies complete
-            self._l3.note_store(plan.ticket, self.index.keys(request_id), plan.state_boundaries)
         try:
             stream = self._stream()
             if len(plan.page_slots):
@@ -410,8 +417,6 @@ class HostPrefixCache:
             self._completions.record(plan.ticket, stream)
         except BaseException:
             self.index.abort(plan.ticket)
-            if self._l3 is not None:
-                self._l3.dropped(plan.ticket)
             raise
 
     def _skipped_while_pinning(self) -> None:
@@ -435,9 +440,9 @@ class HostPrefixCache:
     def poll(self) -> None:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
         for ticket in self._completions.poll():
-            self.index.complete(ticket)
-            if self._l3 is not None:
-                self._l3.completed(ticket)
+            ready = self.index.complete(ticket)
+            if ready is not None and self._l3 is not None:
+                self._l3.put(ready)  # L3 write-behind of what the store made ready
 
     def forget(self, request_id: str) -> None:
         """The request is gone: drop its cached chain (call it for every request, hit or not). Runs even when the

@@ -11,6 +11,12 @@ model has state, with ``engine.select_state`` / ``engine.load_state`` and ``engi
 ``engine.scheduler.try_allocate_seq(seq)``; and on a sequence ``block_table``, ``request_id``,
 ``chunked_rest_len``, ``get_len()``, ``data.get_token_ids()``, ``num_cached_tokens``, ``cached_hit_tokens``.
 
+With L3, the objects' fingerprint covers the model: ``model_identity(engine)`` digests the engine's config
+(``engine.config``: a dataclass, ``to_dict()`` or attributes) and its weights (the names, shapes and dtypes of every
+tensor of ``engine.model`` plus a sample of their bytes), unless the caller passes ``fingerprint_fields``; the
+shard comes from ``engine.tp_rank`` / ``tp_size`` / ``pp_rank`` / ``pp_size`` / ``cp_rank`` / ``cp_size`` and
+``engine.kv_replicated`` (MLA) where the engine has them, unless the caller passes ``shard``.
+
 Every call catches its own exceptions (bad arguments included) and never raises into the engine: a bad argument
 is logged and counted in ``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after
 ``max_errors`` of them the cache disables itself. The request continues uncached either way.
@@ -18,10 +24,82 @@ is logged and counted in ``bad_arguments``; any other failure is kvtier's, count
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from kvtier.cache import HostPrefixCache
 
+# Bytes sampled from each weight tensor (at its start, middle and end) for the model's identity.
+_SAMPLE_BYTES = 4096
+
+
+def _tensors(obj: Any, prefix: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from a model object, by a dotted name, each once."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from ((f"{prefix}{k}", v) for k, v in obj.state_dict(keep_vars=True).items())
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k], f"{prefix}{k}.", seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}{i}.", seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for k, v in sorted(vars(obj).items()):
+            yield from _tensors(v, f"{prefix}{k}.", seen)
+
+
+def weights_identity(model: Any) -> str:
+    """A digest of a model's weights: every tensor's name, shape and dtype, and a sample of its bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in _tensors(model, "", set()):
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        picks = {0, max(0, n // 2 - _SAMPLE_BYTES // 2), max(0, n - _SAMPLE_BYTES)}
+        sample = torch.cat([flat[i : i + _SAMPLE_BYTES] for i in sorted(picks)]).cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{n}\n".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def config_identity(config: Any) -> str:
+    """A digest of an engine's model config (a dataclass, an object with ``to_dict()``, or its attributes)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        fields = dataclasses.asdict(config)
+    elif hasattr(config, "to_dict"):
+        fields = config.to_dict()
+    else:
+        fields = dict(vars(config))
+    return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def model_identity(engine: Any) -> dict[str, str]:
+    """The fingerprint fields of an engine's model: its config and its weights. The reference engine's
+    ``fingerprint`` (config fields that decide page bytes) is used for the config when it has one."""
+    config = getattr(engine, "fingerprint", None) or config_identity(engine.config)
+    return {"model_config": str(config), "model_weights": weights_identity(engine.model)}
+
+
+def engine_shard(engine: Any) -> Any:
+    """The engine's parallel ranks (``tp_rank``... attributes; 0 of 1 where absent) and KV replication."""
+    from kvtier.l3.identity import Shard
+
+    dims = {
+        f"{d}_{w}": int(getattr(engine, f"{d}_{w}", 0 if w == "rank" else 1))
+        for d in ("tp", "pp", "cp")
+        for w in ("rank", "size")
+    }
+    return Shard(**dims, kv_replicated=bool(getattr(engine, "kv_replicated", False)))
 
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
@@ -32,9 +110,12 @@ class Cache:
         pages = engine.gpu_blocks if getattr(engine, "gpu_blocks", None) is not None else engine.gpu_layers
         has_state = getattr(engine, "gpu_states", None) is not None and getattr(engine, "state_bytes", 0) > 0
         settings.setdefault("ring_slack", getattr(engine, "ring_slack", None))
-        # The engine's hash of what decides its page bytes goes into the L3 keys (when it has one).
-        model_fp = getattr(engine, "fingerprint", None)
-        settings.setdefault("fingerprint_fields", {"model": str(model_fp)} if model_fp is not None else None)
+        if settings.get("l3") or (settings.get("env") or os.environ).get("KVTIER_L3"):
+            # L3 keys name the model and the shard (the caller's, or what the engine has).
+            if settings.get("fingerprint_fields") is None:
+                settings["fingerprint_fields"] = model_identity(engine)
+            if settings.get("shard") is None:
+                settings["shard"] = engine_shard(engine)
         self.cache = HostPrefixCache(
             pages,
             block_size=engine.cache_config.block_size,

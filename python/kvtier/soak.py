@@ -2,13 +2,15 @@
 
 Each round draws an engine (layout, layer pattern, a GPU pool small enough to run out) and a tiny host cache
 (constant eviction), runs a random multi-turn workload with the cache off and then on, and injects faults while
-the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight. Every
+the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight; with
+L3, Store faults (failed calls, lost, short, corrupted and misplaced values) and a master restart. Every
 generated token must equal cache off; the index's invariants are checked at every engine step; when the round
 ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import random
@@ -21,6 +23,7 @@ from typing import Any
 
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
 from kvtier.workload import Conversations
 
 
@@ -35,6 +38,8 @@ class Summary:
     hits: int = 0
     hit_tokens: int = 0
     l3_hits: int = 0
+    l3_rejected: int = 0
+    l3_tampered: int = 0  # values a get returned short or corrupted: each must be rejected
     l3_restarts: int = 0
     deferred: int = 0
     evicted: int = 0
@@ -46,7 +51,9 @@ class Summary:
     seconds: float = 0.0
 
     def line(self) -> str:
-        return "soak: " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
+        return "soak: " + " ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items()
+        )
 
 
 def rss_mib() -> float:
@@ -67,39 +74,47 @@ def flaky(fn: Any, rng: random.Random, p: float, summary: Summary) -> Any:
     return call
 
 
-class FaultyStore:
-    """A Store client that fails on purpose: puts and gets that fail, short reads, objects removed between
-    exists() and get(). Everything else goes to the real client."""
+class FaultyStore(StoreWrapper):
+    """A Store over a real client that fails on purpose: puts and gets that fail, objects removed between exists()
+    and get(), short reads, values corrupted on the way in (one bit flipped) and values put under another object's
+    key (misplaced). None of them may ever be served."""
 
-    def __init__(self, store: Any, rng: random.Random, p: float, summary: Summary) -> None:
-        self._store, self._rng, self._p, self._summary = store, rng, p, summary
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    def __init__(self, store: Store, rng: random.Random, p: float, summary: Summary) -> None:
+        super().__init__(store)
+        self._rng, self._p, self._summary = rng, p, summary
 
     def _fault(self) -> bool:
         hit = self._rng.random() < self._p
         self._summary.faults += hit
         return hit
 
-    def put_many(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+    def put_many(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         if self._fault():
             return [-800] * len(keys)  # transfer failed
-        return self._store.put_many(keys, ptrs, sizes)
+        same = [i for i in range(1, len(keys)) if list(sizes[i]) == list(sizes[0])]
+        if same and self._fault():
+            keys = list(keys)
+            keys[0], keys[same[0]] = keys[same[0]], keys[0]  # misplaced: each value under the other's key
+        return self.inner.put_many(keys, ptrs, sizes)
 
-    def exists_many(self, keys: list[str]) -> list[int]:
-        codes = self._store.exists_many(keys)
-        present = [k for k, c in zip(keys, codes) if c == 1]
+    def exists_many(self, keys: Sequence[str]) -> list[int]:
+        codes = self.inner.exists_many(keys)
+        present = [k for k, c in zip(keys, codes, strict=False) if c == 1]
         if present and self._fault():
-            self._store.remove(self._rng.choice(present), True)  # lost between exists() and get()
+            self.inner.remove(self._rng.choice(present), True)  # lost between exists() and get()
         return codes
 
-    def get_many(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+    def get_many(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         if self._fault():
             return [-800] * len(keys)
-        got = self._store.get_many(keys, ptrs, sizes)
+        got = self.inner.get_many(keys, ptrs, sizes)
         if got and got[0] > 0 and self._fault():
             got = [got[0] - 16, *got[1:]]  # a short read
+            self._summary.l3_tampered += 1
+        if got and got[0] == sum(sizes[0]) and self._fault():
+            at = ptrs[0][-1] + self._rng.randrange(sizes[0][-1])
+            ctypes.c_uint8.from_address(at).value ^= 1 << self._rng.randrange(8)  # corrupted: one bit flipped
+            self._summary.l3_tampered += 1
         return got
 
 
@@ -131,8 +146,12 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     has_state = engine.gpu_states is not None
     l3_settings: dict[str, Any] = {}
     if l3 is not None:
+
+        def faulty(config: StoreConfig) -> Store:
+            return FaultyStore(MooncakeStore(config), rng, fault_p, summary)
+
         l3_settings = {"l3": "mooncake", "l3_master": l3.master_addr, "l3_group_pages": rng.choice([1, 2, 4]),
-                       "l3_deadline_ms": rng.choice([5, 50, 500])}  # fmt: skip
+                       "l3_deadline_ms": rng.choice([5, 50, 500]), "l3_store": faulty}  # fmt: skip
     cache = Cache(
         engine,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
@@ -146,9 +165,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     inner = cache.cache
     restart_at = -1
     if l3 is not None:
-        tier = inner._l3
-        if tier.wait_connected(10):
-            tier.store = FaultyStore(tier.store, rng, fault_p, summary)
+        inner._l3.wait_connected(10)
         if summary.l3_restarts == 0 and summary.rounds >= 2:
             restart_at = rng.randint(5, 40)  # restart the master once, in the middle of a round
     inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)
@@ -189,6 +206,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     summary.hits += s["hits"]
     summary.hit_tokens += s["hit_tokens"]
     summary.l3_hits += s.get("l3_hits", 0)
+    summary.l3_rejected += s.get("l3_rejected", 0)
     summary.deferred += s["deferred"]
     summary.evicted += s["pages_evicted"]
 

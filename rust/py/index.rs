@@ -10,17 +10,12 @@ use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, W
 use crate::chain::{HashKind, TokenIds};
 use crate::error::invalid;
 use crate::index::{Config, Index};
-use crate::l3;
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
     m.add_class::<PyLookup>()?;
     m.add_class::<PyLoadPlan>()?;
     m.add_class::<PyStorePlan>()?;
-    m.add_class::<PySeenSet>()?;
-    m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
-    m.add_function(wrap_pyfunction!(group_key_string, m)?)?;
-    m.add_function(wrap_pyfunction!(state_key_string, m)?)?;
     Ok(())
 }
 
@@ -72,7 +67,7 @@ pub struct PyStorePlan {
 }
 
 impl PyIndex {
-    fn lock(&self) -> MutexGuard<'_, Index> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
         // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -299,9 +294,10 @@ impl PyIndex {
         })
     }
 
-    /// The copies of a ticket finished: stored entries become ready, references drop.
-    fn complete(&self, ticket: u64) -> PyResult<()> {
-        self.lock().complete(ticket).map_err(to_py)
+    /// The copies of a ticket finished: stored entries become ready, references drop. Returns what a store made
+    /// ready (for the L3 write-behind), None for other tickets.
+    fn complete(&self, ticket: u64) -> PyResult<Option<super::l3::PyReady>> {
+        Ok(self.lock().finish(ticket).map_err(to_py)?.map(super::l3::PyReady::from))
     }
 
     /// The copies of a ticket failed: stored entries are discarded, held ones released.
@@ -404,51 +400,5 @@ impl PyIndex {
     /// Raises KvtierError if any invariant of the pools or the tickets is broken.
     fn check(&self) -> PyResult<()> {
         self.lock().check().map_err(to_py)
-    }
-}
-
-/// The layout fingerprint of L3 keys: a hash of every field that changes the bytes behind a key.
-#[pyfunction]
-fn fingerprint(fields: std::collections::BTreeMap<String, String>) -> PyResult<String> {
-    l3::fingerprint(&fields.into_iter().collect::<Vec<_>>()).map_err(to_py)
-}
-
-/// `kvtier/v1/<fp>/g<G>/<hex>`: the L3 object of the group whose last page has chain key `last_page_key`.
-#[pyfunction]
-fn group_key_string(fingerprint: &str, group_pages: u32, last_page_key: u128) -> String {
-    l3::group_key_string(fingerprint, group_pages, last_page_key)
-}
-
-/// `kvtier/v1/<fp>/state/<hex>`: the L3 object of the state after the page with chain key `page_key`.
-#[pyfunction]
-fn state_key_string(fingerprint: &str, page_key: u128) -> String {
-    l3::state_key_string(fingerprint, page_key)
-}
-
-/// A bounded set of keys already put to or seen in the Store (oldest out first).
-#[pyclass(name = "SeenSet", module = "kvtier._core", frozen)]
-pub struct PySeenSet {
-    inner: Mutex<l3::SeenSet>,
-}
-
-#[pymethods]
-impl PySeenSet {
-    #[new]
-    fn new(capacity: i64) -> PyResult<Self> {
-        let cap: usize = non_negative("capacity", capacity)?;
-        Ok(Self { inner: Mutex::new(l3::SeenSet::new(cap).map_err(to_py)?) })
-    }
-    fn __contains__(&self, key: u128) -> bool {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(key)
-    }
-    /// Inserts a key; returns False if it was already there.
-    fn insert(&self, key: u128) -> bool {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key)
-    }
-    fn remove(&self, key: u128) -> bool {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(key)
-    }
-    fn __len__(&self) -> usize {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
     }
 }

@@ -13,6 +13,7 @@ use crate::error::{invalid, Error};
 
 mod copy;
 mod index;
+mod l3;
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of kvtier's own errors.");
 create_exception!(
@@ -300,6 +301,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(stat_table, m)?)?;
     index::register(m)?;
+    l3::register(m)?;
     copy::register(m)?;
     Ok(())
 }

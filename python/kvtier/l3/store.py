@@ -14,18 +14,19 @@ that timed out keeps running there, which is why `L3Timeout.pending` tells when 
 from __future__ import annotations
 
 import logging
-import threading
+import os
+import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from kvtier._core import KvtierError
+from kvtier._core import L3_WRONG_LENGTH
+from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
+from kvtier.l3.worker import Breaker, Worker
 
 log = logging.getLogger("kvtier.l3")
 
@@ -40,7 +41,8 @@ OBJECT_HAS_LEASE = -706
 LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
-RPC_TIMEOUT = -901
+# kvtier's own code: the Store holds a value of another length than the buffers a get gave.
+WRONG_LENGTH = L3_WRONG_LENGTH
 
 ERROR_NAMES: dict[int, str] = {
     -1: "INTERNAL_ERROR",
@@ -54,6 +56,7 @@ ERROR_NAMES: dict[int, str] = {
     TRANSFER_FAIL: "TRANSFER_FAIL",
     RPC_FAIL: "RPC_FAIL",
     RPC_TIMEOUT: "RPC_TIMEOUT",
+    WRONG_LENGTH: "WRONG_LENGTH",
 }
 
 # Codes that say the Store itself (master or transfer path) is failing, not one object: they open the breaker.
@@ -62,200 +65,56 @@ FAILURE_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
 # The key the breaker's probe asks about; it is never put.
 _PROBE_KEY = "kvtier/probe"
 
+# Mooncake's client logs through glog to stderr. 0.3.13 reads MC_LOG_DIR (write the log files there instead) and
+# MC_LOG_LEVEL when its library loads: unless the deployment set either, the log goes to files here (errors are
+# still copied to stderr).
+MOONCAKE_LOG_DIR = os.path.join(tempfile.gettempdir(), "kvtier-mooncake-log")
+
+
+def import_mooncake() -> Any:
+    """Imports ``mooncake.store`` with its log sent to `MOONCAKE_LOG_DIR`, unless MC_LOG_DIR or MC_LOG_LEVEL is
+    set or it was imported already. The variable is set only while the library loads: a child process (the
+    master, a holder) that inherited it would initialise glog twice and abort."""
+    import importlib
+    import sys
+
+    if "mooncake.store" in sys.modules or "MC_LOG_DIR" in os.environ or "MC_LOG_LEVEL" in os.environ:
+        return importlib.import_module("mooncake.store")
+    os.makedirs(MOONCAKE_LOG_DIR, exist_ok=True)
+    os.environ["MC_LOG_DIR"] = MOONCAKE_LOG_DIR
+    try:
+        return importlib.import_module("mooncake.store")
+    finally:
+        os.environ.pop("MC_LOG_DIR", None)
+
 
 def error_name(code: int) -> str:
-    """"OK", a byte count, or the name of a Mooncake return code, for log messages."""
+    """ "OK", a byte count, or the name of a Mooncake return code, for log messages."""
     if code >= 0:
         return "OK" if code == 0 else f"{code} bytes"
     return ERROR_NAMES.get(code, f"ERROR_{-code}")
 
 
-class L3Error(KvtierError):
-    """A Mooncake Store call failed; `code` is Mooncake's return code when there is one."""
-
-    def __init__(self, message: str, code: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class L3Unavailable(L3Error):
-    """The Store cannot be reached (no master, setup failed, or a call timed out)."""
-
-
-class L3Timeout(L3Unavailable):
-    """A native call did not return within its bound. It may still be running: until `pending` is done, a put may
-    still read and a get may still write the buffers it was given, so they must stay allocated and untouched."""
-
-    def __init__(self, message: str, pending: Future[Any]) -> None:
-        super().__init__(message, RPC_TIMEOUT)
-        self.pending = pending
-
-
-class WorkerFull(L3Error):
-    """A worker's queue is full; the submission was not accepted."""
-
-
-class Worker:
-    """One daemon thread that runs submitted callables in submission order; results come back as Futures.
-
-    `submit` never blocks: it raises WorkerFull when `max_pending` callables wait already, and L3Error after close.
-    """
-
-    def __init__(self, name: str = "kvtier-l3", max_pending: int = 1024) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self.name = name
-        self.max_pending = max_pending
-        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+class Store(Protocol):
+    """The one seam between the L3 tier and a storage backend. Batch calls return one int per key, as Mooncake
+    Store does: put 0 or a negative code; exists 1 / 0 / negative; get the bytes read or a negative code
+    (`WRONG_LENGTH` when the value has another length than the buffers). Buffers are raw host pointers inside
+    memory given to `register`, kept alive by the caller until the call returns (after `L3Timeout`, until its
+    `pending` future is done). Failures of the backend itself raise `L3Error`."""
 
     @property
-    def pending(self) -> int:
-        """Callables queued and not yet started."""
-        with self._cond:
-            return len(self._queue)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
-        fut: Future[R] = Future()
-        with self._cond:
-            if self._closed:
-                raise L3Error(f"worker {self.name} is closed")
-            if len(self._queue) >= self.max_pending:
-                raise WorkerFull(f"worker {self.name} has {len(self._queue)} callables queued (max_pending)")
-            self._queue.append((fut, fn, args, kwargs))
-            self._cond.notify()
-        return fut
-
-    def close(self, timeout_s: float = 5.0, *, drain: bool = False) -> bool:
-        """Stop accepting work and join the thread within `timeout_s`.
-
-        drain=False cancels the queued callables at once; drain=True lets them run until the deadline and cancels
-        what is left then. A callable already running is never interrupted: if it outlives the deadline, close
-        returns False and its Future completes whenever it returns (the thread is a daemon). Idempotent.
-        """
-        if timeout_s < 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
-        with self._cond:
-            self._closed = True
-            if not drain:
-                self._cancel_queued()
-            self._cond.notify()
-        self._thread.join(timeout_s)
-        with self._cond:
-            self._cancel_queued()
-        return not self._thread.is_alive()
-
-    def _cancel_queued(self) -> None:
-        while self._queue:
-            self._queue.popleft()[0].cancel()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                fut, fn, args, kwargs = self._queue.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - delivered to the submitter through the Future
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-
-class Breaker:
-    """A circuit breaker: closed lets calls through; one failure opens it; while open, `allow()` refuses at once
-    until the back-off is due, then runs `probe` on the calling thread (one prober at a time): success closes it,
-    failure doubles the back-off (from initial_backoff_s up to max_backoff_s)."""
-
-    def __init__(
-        self,
-        probe: Callable[[], bool],
-        *,
-        initial_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if initial_backoff_s <= 0 or max_backoff_s < initial_backoff_s:
-            raise ValueError(
-                f"need 0 < initial_backoff_s <= max_backoff_s, got {initial_backoff_s}, {max_backoff_s}"
-            )
-        self._probe = probe
-        self._initial = initial_backoff_s
-        self._max = max_backoff_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._open = False
-        self._probing = False
-        self._backoff = initial_backoff_s
-        self._next_probe = 0.0
-        self.reason = ""
-        self.times_opened = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def backoff_s(self) -> float:
-        """The wait before the next probe (meaningful while open)."""
-        return self._backoff
-
-    def allow(self) -> bool:
-        """True when a call may go to the Store now (probing first if the back-off is due)."""
-        with self._lock:
-            if not self._open:
-                return True
-            if self._probing or self._clock() < self._next_probe:
-                return False
-            self._probing = True
-        ok = False
-        try:
-            ok = bool(self._probe())
-        except Exception:  # noqa: BLE001 - a probe that raises is a failed probe
-            log.exception("L3 breaker probe raised")
-        with self._lock:
-            self._probing = False
-            if ok:
-                self._close_locked()
-            else:
-                self._backoff = min(self._backoff * 2, self._max)
-                self._next_probe = self._clock() + self._backoff
-        return ok
-
-    def failure(self, reason: str) -> None:
-        """Open the breaker (or, when open, push the next probe one back-off away)."""
-        with self._lock:
-            if not self._open:
-                self._open = True
-                self._backoff = self._initial
-                self.times_opened += 1
-                log.warning("L3 store unavailable, breaker open: %s", reason)
-            self.reason = reason
-            self._next_probe = self._clock() + self._backoff
-
-    def success(self) -> None:
-        """A call went through: close the breaker if it was open."""
-        with self._lock:
-            if self._open:
-                self._close_locked()
-
-    def _close_locked(self) -> None:
-        log.warning("L3 store available again, breaker closed (was open: %s)", self.reason)
-        self._open = False
-        self._backoff = self._initial
-        self.reason = ""
+    def breaker_open(self) -> bool: ...
+    def register(self, ptr: int, size: int) -> None: ...
+    def unregister(self, ptr: int) -> None: ...
+    def put_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]: ...
+    def exists_many(self, keys: Sequence[str]) -> list[int]: ...
+    def get_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]: ...
+    def remove(self, key: str, force: bool = False) -> int: ...
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -305,23 +164,87 @@ class StoreConfig:
         return int(self.master_addr.rpartition(":")[2])
 
 
+class StoreWrapper:
+    """A Store that passes every call to another one: the base of Stores that change a few calls (fault
+    injection in the soak and the tests)."""
+
+    def __init__(self, store: Store) -> None:
+        self.inner = store
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.inner.breaker_open
+
+    def register(self, ptr: int, size: int) -> None:
+        self.inner.register(ptr, size)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def put_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return self.inner.put_many(keys, ptrs_per_key, sizes_per_key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[int]:
+        return self.inner.exists_many(keys)
+
+    def get_many(
+        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self.inner.remove(key, force)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.inner.close(timeout_s)
+
+
+# Mooncake 0.3.13 fails (TRANSFER_FAIL) the objects of a batch beyond this many buffer pieces in all.
+MAX_BATCH_PIECES = 2048
+
+
+def _in_batches(fn: Callable[[list[str], list[list[int]], list[list[int]]], list[int]], keys: list[str],
+                ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:  # fmt: skip
+    """``fn`` over consecutive runs of keys with at most MAX_BATCH_PIECES pieces each; the codes concatenated."""
+    out: list[int] = []
+    start = pieces = 0
+    for i, p in enumerate(ptrs):
+        if pieces + len(p) > MAX_BATCH_PIECES and i > start:
+            out += fn(keys[start:i], ptrs[start:i], sizes[start:i])
+            start, pieces = i, 0
+        pieces += len(p)
+    return out + fn(keys[start:], ptrs[start:], sizes[start:])
+
+
 def _check_keys(keys: Sequence[str]) -> None:
+    if set(map(type, keys)) <= {str} and all(keys):
+        return
     for key in keys:
         if not isinstance(key, str) or not key:
             raise ValueError(f"keys must be non-empty strings, got {key!r}")
 
 
-def _check_buffers(keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]) -> None:
+def _check_buffers(
+    keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
+) -> None:
     _check_keys(keys)
     if not len(keys) == len(ptrs_per_key) == len(sizes_per_key):
         raise ValueError(
             f"keys, ptrs_per_key and sizes_per_key differ in length: {len(keys)}, {len(ptrs_per_key)}, "
             f"{len(sizes_per_key)}"
         )
-    for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key):
+    # The common case, checked with C loops (a worker holding the GIL in a Python loop delays the engine loop).
+    counts = list(map(len, ptrs_per_key))
+    if counts == list(map(len, sizes_per_key)) and min(counts, default=1) > 0:
+        flat = [x for seq in (*ptrs_per_key, *sizes_per_key) for x in seq]
+        if set(map(type, flat)) <= {int} and min(flat, default=1) > 0:
+            return
+    for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key, strict=False):
         if len(ptrs) != len(sizes) or not ptrs:
             raise ValueError(f"key {key!r}: need as many sizes as pointers, at least one, got {ptrs!r}, {sizes!r}")
-        for ptr, size in zip(ptrs, sizes):
+        for ptr, size in zip(ptrs, sizes, strict=False):
             if not isinstance(ptr, int) or ptr <= 0:
                 raise ValueError(f"key {key!r}: buffer pointers must be positive ints, got {ptr!r}")
             if not isinstance(size, int) or size <= 0:
@@ -358,12 +281,12 @@ class MooncakeStore:
         if not port_open(cfg.master_host, cfg.master_port, cfg.port_timeout_s):
             raise L3Unavailable(f"no Mooncake master accepts connections at {cfg.master_addr}")
         try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+            mooncake = import_mooncake()
         except ImportError as exc:
             raise L3Unavailable(
                 f"mooncake is not importable ({exc}); install kvtier[mooncake] or kvtier[mooncake-cpu]"
             ) from exc
-        store = MooncakeDistributedStore()
+        store = mooncake.MooncakeDistributedStore()
         t0 = time.monotonic()
         try:
             rc = self._call(
@@ -383,7 +306,7 @@ class MooncakeStore:
         if rc != 0:
             raise L3Unavailable(f"Mooncake setup with master {cfg.master_addr} returned {rc} ({error_name(rc)})", rc)
         log.info("L3 store connected to %s in %.3f s", cfg.master_addr, time.monotonic() - t0)
-        return store, ReplicateConfig()
+        return store, mooncake.ReplicateConfig()
 
     def __enter__(self) -> MooncakeStore:
         return self
@@ -457,15 +380,11 @@ class MooncakeStore:
         """Put each key's buffers, concatenated, as one object. 0 per stored key (also when the key existed: the
         first writer wins, nothing is overwritten), NO_SPACE when the Store is full, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded(
-            "put",
-            len(keys),
-            self._store.batch_put_from_multi_buffers,
-            list(keys),
-            [list(p) for p in ptrs_per_key],
-            [list(s) for s in sizes_per_key],
-            self._replicate,
-        )
+        return self._guarded("put", len(keys), _in_batches, self._put_batch, list(keys),
+                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
+
+    def _put_batch(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        return list(self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate))
 
     def exists_many(self, keys: Sequence[str]) -> list[int]:
         """1 when the key exists, 0 when not, negative on error. Grants the object a read lease."""
@@ -478,15 +397,20 @@ class MooncakeStore:
         """Read each key's object into its buffers, in order. Bytes read per key, OBJECT_NOT_FOUND for a missing
         (or meanwhile evicted) key, INVALID_PARAMS when the buffers are too small, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded(
-            "get",
-            len(keys),
-            self._store.batch_get_into_multi_buffers,
-            list(keys),
-            [list(p) for p in ptrs_per_key],
-            [list(s) for s in sizes_per_key],
-            False,  # prefer_alloc_in_same_node
-        )
+        return self._guarded("get", len(keys), _in_batches, self._get_sized, list(keys),
+                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
+
+    def _get_sized(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """Mooncake answers a value shorter than the buffers with TRANSFER_FAIL, the code of a failing transfer
+        path: ask those keys' sizes, and a size that differs is the object's fault (WRONG_LENGTH), not the
+        Store's. Runs on the call thread."""
+        got = list(self._store.batch_get_into_multi_buffers(keys, ptrs, sizes, False))  # not prefer same node
+        for i, code in enumerate(got):
+            if code == TRANSFER_FAIL:
+                size = self._store.get_size(keys[i])
+                if size >= 0 and size != sum(sizes[i]):
+                    got[i] = WRONG_LENGTH
+        return got
 
     def remove(self, key: str, force: bool = False) -> int:
         """Remove one object: 0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE (unless force), or a failure code."""
@@ -496,6 +420,10 @@ class MooncakeStore:
             return [self._store.remove(k, f)]
 
         return self._guarded("remove", 1, remove_one, key, bool(force))[0]
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.breaker.is_open
 
     def healthy(self) -> bool:
         """True when the breaker is closed (or its due probe succeeds), the master's port accepts connections and
@@ -547,13 +475,17 @@ __all__ = [
     "RPC_FAIL",
     "RPC_TIMEOUT",
     "TRANSFER_FAIL",
+    "WRONG_LENGTH",
     "Breaker",
     "L3Error",
     "L3Timeout",
     "L3Unavailable",
     "MooncakeStore",
+    "Store",
     "StoreConfig",
+    "StoreWrapper",
     "Worker",
     "WorkerFull",
     "error_name",
+    "import_mooncake",
 ]
