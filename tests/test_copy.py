@@ -13,9 +13,9 @@ from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array  # noq
 POISON = 0xA5
 
 
-def make_pool(layers: int, chunk: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
+def make_pool(layers: int, segment: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (num_blocks, chunk), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    return [torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, generator=gen) for _ in range(layers)]
 
 
 def make_host(slots: int, slot_bytes: int) -> HostPool:
@@ -28,13 +28,13 @@ def page(pool: list[torch.Tensor], block: int) -> np.ndarray:
     return torch.cat([t[block] for t in pool]).numpy()
 
 
-@pytest.mark.parametrize("layers,chunk", [(1, 16), (1, 4096), (1, 1 << 20), (61, 272), (5, 2048)])
+@pytest.mark.parametrize("layers,segment", [(1, 16), (1, 4096), (1, 1 << 20), (61, 272), (5, 2048)])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_batches_exact_and_poison_kept(layers: int, chunk: int, seed: int) -> None:
+def test_random_batches_exact_and_poison_kept(layers: int, segment: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     num_blocks, slots = 40, 30
-    pool = make_pool(layers, chunk, num_blocks, seed)
-    host = make_host(slots, layers * chunk)
+    pool = make_pool(layers, segment, num_blocks, seed)
+    host = make_host(slots, layers * segment)
     copier = PageCopier(pool[0] if layers == 1 else pool, host)
     hv = host_array(host)
     hv[:] = POISON
@@ -191,8 +191,10 @@ def test_bad_grid_rejected() -> None:
     host = make_host(2, 64)
     with pytest.raises(ValueError, match="threads must be a multiple of 32"):
         PageCopier(pool, host, threads=100)
-    with pytest.raises(ValueError, match="blocks must be 1 to 65535, got 0"):
-        PageCopier(pool, host, blocks=0)
+    with pytest.raises(ValueError, match="ctas must be 1 to 65535, got 0"):
+        PageCopier(pool, host, ctas=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        PageCopier(pool, host, method="fast")
 
 
 def test_cpu_completion_queue_completes_at_once() -> None:
@@ -200,10 +202,10 @@ def test_cpu_completion_queue_completes_at_once() -> None:
     copier = PageCopier(pool, make_host(2, 64))
     q = copier.completion_queue()
     assert isinstance(q, CompletionQueue)
-    for token in (7, 3, 9):
-        q.record(token)
+    for ticket in (7, 3, 9):
+        q.record(ticket)
     assert q.pending() == 3
     assert q.poll() == [7, 3, 9]
     assert q.pending() == 0 and q.poll() == [] and q.wait_all() == []
-    with pytest.raises(ValueError, match="token must be >= 0"):
+    with pytest.raises(ValueError, match="ticket must be >= 0"):
         q.record(-1)

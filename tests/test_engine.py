@@ -9,7 +9,7 @@ import torch
 
 from kvtier.engine import Engine, EngineConfig, Sequence
 
-TINY = EngineConfig.preset("tiny", num_gpu_blocks=32, num_state_slots=4, chunk_size=32)
+TINY = EngineConfig.preset("tiny", num_gpu_blocks=32, num_state_rings=4, chunk_size=32)
 
 PREFIX = [(7 * i + 3) % 512 for i in range(48)]
 PROMPT_A = PREFIX + [11, 22, 33, 44, 55]
@@ -222,7 +222,7 @@ def test_allocator_exhaustion_makes_requests_wait() -> None:
 
 
 def test_state_slots_run_out_too() -> None:
-    config = dataclasses.replace(TINY, num_state_slots=1)
+    config = dataclasses.replace(TINY, num_state_rings=1)
     prompts = {"a": PROMPT_A, "b": PROMPT_B}
     engine = Engine(config)
     for rid, prompt in prompts.items():
@@ -271,7 +271,7 @@ def test_state_kernels_validate() -> None:
     engine = Engine(TINY)
     seq = engine.add_request("a", PROMPT_B, 4)
     staging = torch.empty(engine.state_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no state slot"):
+    with pytest.raises(ValueError, match="no state ring"):
         engine.select_state(seq, 16, staging)
     engine.step()  # prefills 32 tokens
     assert seq.num_computed_tokens == 32
@@ -362,7 +362,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resume_from_cache_is_exact_on_gpu(layout: str, dtype: str) -> None:
     config = EngineConfig.preset("small", device="cuda", layout=layout, dtype=dtype, num_gpu_blocks=64,
-                                 num_state_slots=4)
+                                 num_state_rings=4)
     prompt_b = PREFIX * 3 + [9, 8, 7]
     expected, oracle = run_one(config, prompt_b, 8)
     engine = Engine(config)

@@ -2,8 +2,10 @@
 
 It keeps KV pages (and per-sequence states) in host memory after the GPU pool dropped them and copies them back
 on a later prompt with the same prefix. Bookkeeping is the Rust ``Index``; bytes move through ``PageCopier`` on
-the engine's current CUDA stream (or with memcpy when the pools are CPU tensors), and completion is tracked with
-events that ``poll()`` retires without blocking.
+kvtier's own copy streams, ordered with the engine's stream by CUDA events (``kvtier.transfer``; or on the engine's
+stream with ``copy_streams=False``; memcpy when the pools are CPU tensors), and completion is tracked with events
+that ``poll()`` retires without blocking. Engines that rewrite blocks call ``release(blocks)`` or ``forget`` first,
+and with ``layerwise_loads`` call ``wait_layer(l)`` before layer l reads its KV.
 
 Engine-loop calls never wait for the GPU or for pinning memory: the host pools are reserved at the first store
 and pinned chunk by chunk on a background thread; stores use the slots pinned so far.
@@ -27,6 +29,7 @@ import torch
 from kvtier import Index
 from kvtier.copy import HostPool, PageCopier
 from kvtier.settings import CacheSettings
+from kvtier.transfer import Transfers
 
 log = logging.getLogger("kvtier")
 
@@ -142,7 +145,8 @@ class HostPrefixCache:
         # The host pools are address space only until they grow (at the first store, or now with preallocate);
         # building the copiers here checks the GPU pool (dtype, shapes, alignment) before anything is stored.
         self._host_pages = HostPool(self.page_slots, self.page_bytes, chunk_bytes=s.pin_chunk_bytes)
-        self._copy_pages = PageCopier(pages, self._host_pages)
+        self._copy_pages = PageCopier(pages, self._host_pages, method=s.copy_method,
+                                      crossover_bytes=s.copy_crossover_bytes)  # fmt: skip
         self._host_states: HostPool | None = None
         self._copy_states: PageCopier | None = None
         self._staging: torch.Tensor | None = None
@@ -150,7 +154,8 @@ class HostPrefixCache:
             self._host_states = HostPool(state_slots, self.state_bytes, chunk_bytes=s.pin_chunk_bytes)
             self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
             self._copy_states = PageCopier(self._staging, self._host_states)
-        self._completions = self._copy_pages.completion_queue()
+        self._xfer = Transfers(self._copy_pages, copy_streams=s.copy_streams, layerwise_loads=s.layerwise_loads)
+        self._completions = self._xfer
         self._grower: threading.Thread | None = None
         self._closing = threading.Event()
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
@@ -253,13 +258,13 @@ class HostPrefixCache:
             table = np.asarray(block_table(), dtype=np.int32)
             if table.ndim != 1 or len(table) < n:
                 raise ValueError(f"block_table has {table.size} blocks, a hit of {hit} tokens needs {n}")
+            self._xfer.load_pages(plan.page_slots, table[:n])
             stream = self._stream()
-            self._copy_pages.to_gpu(plan.page_slots, table[:n], stream)
             if plan.state_slot is not None:
                 assert self._copy_states is not None and self._staging is not None and self._load_state
                 self._copy_states.to_gpu(np.array([plan.state_slot], np.int32), np.zeros(1, np.int32), stream)
                 self._load_state(state, hit, self._staging[0])
-            self._completions.record(plan.ticket, stream)
+            self._xfer.finish(plan.ticket, store=False, engine_work=plan.state_slot is not None)
         except BaseException:
             self.index.abort(plan.ticket)
             raise
@@ -305,7 +310,7 @@ class HostPrefixCache:
             stream = self._stream()
             if len(plan.page_slots):
                 assert plan.src_blocks is not None
-                self._copy_pages.to_host(plan.src_blocks, plan.page_slots, stream)
+                self._xfer.store_pages(plan.src_blocks, plan.page_slots, request_id)
             if len(plan.state_slots):
                 assert self._copy_states is not None and self._staging is not None and self._select_state
                 per_round = len(self._staging)
@@ -316,7 +321,7 @@ class HostPrefixCache:
                         self._select_state(state, b, self._staging[j])
                     n = len(bounds[part])
                     self._copy_states.to_host(np.arange(n, dtype=np.int32), slots[part], stream)
-            self._completions.record(plan.ticket, stream)
+            self._xfer.finish(plan.ticket, store=True, engine_work=len(plan.state_slots) > 0)
         except BaseException:
             self.index.abort(plan.ticket)
             if self._l3 is not None:
@@ -331,8 +336,30 @@ class HostPrefixCache:
             if self._l3 is not None:
                 self._l3.completed(ticket)
 
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for the pages of pending
+        layer-wise loads of that layer. Cheap; a no-op without layer-wise loads and on the CPU."""
+        try:
+            self._xfer.wait_layer(layer)
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the policy; the host then waits, so the model never reads early
+            self._error("wait_layer", e)
+            torch.cuda.synchronize(self.device)
+
+    def wait_loads(self) -> None:
+        """``wait_layer`` for every layer."""
+        self._xfer.wait_loads()
+
+    def release(self, blocks: Sequence[int] | np.ndarray) -> None:
+        """Before the engine rewrites ``blocks`` (GPU block ids): its stream waits (GPU-side) for the pending
+        stores that read them. Cheap; a no-op without copy streams and on the CPU."""
+        self._xfer.release(blocks)
+
     def forget(self, request_id: str) -> None:
-        """The request is gone: drop its cached chain."""
+        """The request is gone: drop its cached chain; the engine's stream waits (GPU-side) for its pending stores,
+        so its blocks may be reused."""
+        self._xfer.forget(request_id)
         self.index.forget(request_id)
         if self._l3 is not None:
             self._l3.forget(request_id)

@@ -64,6 +64,10 @@ SETTINGS: Mapping[str, Setting] = {
     "l3_group_pages": Setting("KVTIER_L3_GROUP_PAGES", int, 1),
     "l3_deadline_ms": Setting("KVTIER_L3_DEADLINE_MS", float, 0),
     "l3_seen_keys": Setting("KVTIER_L3_SEEN_KEYS", int, 1),
+    "copy_method": Setting("KVTIER_COPY_METHOD", str),
+    "copy_crossover_bytes": Setting("KVTIER_COPY_CROSSOVER_BYTES", _parse_bytes, 16),
+    "copy_streams": Setting("KVTIER_COPY_STREAMS", _parse_bool),
+    "layerwise_loads": Setting("KVTIER_LAYERWISE_LOADS", _parse_bool),
 }
 
 
@@ -93,6 +97,11 @@ class CacheSettings:
     l3_group_pages: int = 4
     l3_deadline_ms: float = 50.0
     l3_seen_keys: int = 1 << 20
+    # Copies: "auto" takes the copy engine for pieces >= copy_crossover_bytes, the kernel below (docs/PERFORMANCE.md).
+    copy_method: str = "auto"
+    copy_crossover_bytes: int = 256 << 10
+    copy_streams: bool = True  # False: every copy on the engine's current stream
+    layerwise_loads: bool = False  # True: the engine calls wait_layer(l) before layer l reads its KV
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CacheSettings:
@@ -124,6 +133,8 @@ class CacheSettings:
             raise ValueError(f"setting hash_kind must be 'blake3' or 'xxh3', got {out.hash_kind!r}")
         if out.l3 not in (None, "", "mooncake"):
             raise ValueError(f"setting l3 must be unset or 'mooncake', got {out.l3!r}")
+        if out.copy_method not in ("auto", "kernel", "dma"):
+            raise ValueError(f"setting copy_method must be 'auto', 'kernel' or 'dma', got {out.copy_method!r}")
         if out.l3 == "mooncake" and not out.l3_master:
             raise ValueError("setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)")
         return dataclasses.replace(out, l3=out.l3 or None)

@@ -9,7 +9,7 @@ page is [2 (K, V), block_size, heads, head_dim].
 - layer-first: gpu_layers, one tensor per full-attention layer [num_blocks, block_bytes_per_layer]; a page is
   num_full_layers chunks, one per tensor.
 
-State pool. gpu_states [num_state_slots, state_slot_bytes] holds each live sequence's rings, laid out
+State pool. gpu_states [num_state_rings, state_slot_bytes] holds each live sequence's rings, laid out
 [num_sliding_layers, 2, ring_size, heads, head_dim]; position p lives at ring index p % ring_size. A stored
 state is the window of positions [pos - window, pos) of every sliding layer, [num_sliding_layers, 2, window,
 heads, head_dim] in position order, with positions below 0 as zeros.
@@ -66,9 +66,9 @@ class RingStates:
         self.ring_size = c.ring_size
         self.state_bytes = c.state_bytes
         self.dtype = c.torch_dtype
-        self.gpu_states = torch.zeros(c.num_state_slots, c.state_slot_bytes, dtype=torch.uint8, device=device)
+        self.gpu_states = torch.zeros(c.num_state_rings, c.state_slot_bytes, dtype=torch.uint8, device=device)
         self._rings = self.gpu_states.view(c.torch_dtype).view(
-            c.num_state_slots, c.num_sliding_layers, 2, c.ring_size, c.heads, c.head_dim)
+            c.num_state_rings, c.num_sliding_layers, 2, c.ring_size, c.heads, c.head_dim)
         self._state_shape = (c.num_sliding_layers, 2, c.window, c.heads, c.head_dim)
 
     def _ring_index(self, start: int, end: int) -> torch.Tensor:
