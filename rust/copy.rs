@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::cuda::{self, Event, Layer, Launch};
+use crate::cuda::{self, Event, Launch, Layer};
 use crate::error::{invalid, Error, Result};
 use crate::hostmem::HostPool;
 
@@ -23,7 +23,7 @@ pub const DEFAULT_CTAS: u32 = 8;
 pub const DEFAULT_THREADS: u32 = 512;
 /// Mean piece size from which `Method::Auto` takes the copy engine (measured: docs/PERFORMANCE.md, "Copy engine
 /// against kernel").
-pub const DEFAULT_CROSSOVER_BYTES: u64 = 256 << 10;
+pub const DEFAULT_CROSSOVER_BYTES: u64 = 64 << 10;
 /// Below this many bytes a CPU copy stays on the calling thread.
 const CPU_BYTES_PER_THREAD: u64 = 4 << 20;
 const CPU_MAX_THREADS: usize = 8;
@@ -209,12 +209,22 @@ impl PageCopier {
     }
 
     /// The segments of layers `layers` only (a layer-wise load issues one call a layer or group of layers).
-    pub fn copy(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32], stream: u64, layers: Range<usize>) -> Result<Used> {
+    pub fn copy(
+        &self,
+        dir: Direction,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: Range<usize>,
+    ) -> Result<Used> {
         let mem = self.host.access()?;
         self.validate(dir, gpu_ids, host_slots)?;
         let n_layers = self.pool.layers.len();
         if layers.start >= layers.end || layers.end > n_layers {
-            return Err(invalid(format!("layers {}..{} is not a non-empty range of the pool's {n_layers}", layers.start, layers.end)));
+            return Err(invalid(format!(
+                "layers {}..{} is not a non-empty range of the pool's {n_layers}",
+                layers.start, layers.end
+            )));
         }
         if gpu_ids.is_empty() {
             return Ok(Used::Memcpy);
@@ -256,7 +266,11 @@ impl PageCopier {
         // the pool has one layer; the GPU side needs consecutive ids with stride == segment.
         let merges = self.pool.layers.len() == 1 && self.pool.layers[0].stride == seg && self.host.slot_bytes() == seg;
         let runs = if merges {
-            1 + gpu_ids.windows(2).zip(host_slots.windows(2)).filter(|(g, h)| g[1] != g[0] + 1 || h[1] != h[0] + 1).count()
+            1 + gpu_ids
+                .windows(2)
+                .zip(host_slots.windows(2))
+                .filter(|(g, h)| g[1] != g[0] + 1 || h[1] != h[0] + 1)
+                .count()
         } else {
             gpu_ids.len()
         };
@@ -279,34 +293,45 @@ impl PageCopier {
         }
     }
 
-    fn dma_copy(&self, device: i32, dir: Direction, gpu_ids: &[i32], host_slots: &[i32], stream: u64, layers: Range<usize>) -> Result<()> {
+    fn dma_copy(
+        &self,
+        device: i32,
+        dir: Direction,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: Range<usize>,
+    ) -> Result<()> {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
+        // The host pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
+        // registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
+        let step = self.host.chunk_bytes();
         let cap = gpu_ids.len() * layers.len();
-        let (mut dsts, mut srcs, mut sizes) = (Vec::with_capacity(cap), Vec::with_capacity(cap), Vec::with_capacity(cap));
+        let mut pieces =
+            Pieces { dev: Vec::with_capacity(cap), host: Vec::with_capacity(cap), size: Vec::with_capacity(cap) };
         for l in layers {
             let layer = self.pool.layers[l];
             for (&g, &h) in gpu_ids.iter().zip(host_slots) {
-                let dev = layer.base + g as u64 * layer.stride;
-                let host = host_base + h as u64 * slot_bytes + l as u64 * seg;
-                let (src, dst) = match dir {
-                    Direction::ToHost => (dev, host),
-                    Direction::ToGpu => (host, dev),
-                };
-                if let (Some(&ps), Some(&pd), Some(last)) = (srcs.last(), dsts.last(), sizes.last_mut()) {
-                    if ps + *last as u64 == src && pd + *last as u64 == dst {
-                        *last += seg as usize;
-                        continue;
-                    }
+                let mut dev = layer.base + g as u64 * layer.stride;
+                let mut off = h as u64 * slot_bytes + l as u64 * seg;
+                let end = off + seg;
+                while off < end {
+                    let cut = ((off / step + 1) * step).min(end);
+                    pieces.push(dev, host_base + off, cut - off, off % step != 0);
+                    dev += cut - off;
+                    off = cut;
                 }
-                srcs.push(src);
-                dsts.push(dst);
-                sizes.push(seg as usize);
             }
         }
+        let Pieces { dev, host, size } = pieces;
+        let (srcs, dsts) = match dir {
+            Direction::ToHost => (dev, host),
+            Direction::ToGpu => (host, dev),
+        };
         // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
-        unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &sizes, stream, self.opts.debug_sync) }
+        unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &size, stream, self.opts.debug_sync) }
     }
 
     fn validate(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) -> Result<()> {
@@ -389,6 +414,30 @@ impl PageCopier {
     }
 }
 
+/// Copy-engine pieces, merged while contiguous on both sides and inside one pin step of the host pool.
+struct Pieces {
+    dev: Vec<u64>,
+    host: Vec<u64>,
+    size: Vec<usize>,
+}
+
+impl Pieces {
+    /// `joins`: the piece starts inside the step the previous byte of host memory is in (not at a step boundary).
+    fn push(&mut self, dev: u64, host: u64, len: u64, joins: bool) {
+        if joins {
+            if let (Some(&d), Some(&h), Some(last)) = (self.dev.last(), self.host.last(), self.size.last_mut()) {
+                if d + *last as u64 == dev && h + *last as u64 == host {
+                    *last += len as usize;
+                    return;
+                }
+            }
+        }
+        self.dev.push(dev);
+        self.host.push(host);
+        self.size.push(len as usize);
+    }
+}
+
 /// Tickets of launched work in launch order, each with the event recorded after it; polled without blocking.
 pub struct CompletionQueue {
     device: Option<i32>,
@@ -465,7 +514,8 @@ mod tests {
     use super::*;
 
     fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
-        let mut mem: Vec<Vec<u8>> = (0..layers).map(|l| vec![l as u8; (seg as usize + 16) * blocks as usize + 16]).collect();
+        let mut mem: Vec<Vec<u8>> =
+            (0..layers).map(|l| vec![l as u8; (seg as usize + 16) * blocks as usize + 16]).collect();
         let layer_ptrs = mem
             .iter_mut()
             .map(|m| {

@@ -167,7 +167,8 @@ pub unsafe fn copy_pages(l: &Launch<'_>, gpu_ids: &[i32], host_ids: &[i32], stre
             to_host: i32::from(l.to_host),
             debug_sync: i32::from(l.debug_sync),
         };
-        let code = ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
+        let code =
+            ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
         check(code, "page copy kernel")
     }
     #[cfg(not(kvtier_cuda))]
@@ -190,7 +191,14 @@ pub fn dma_supported() -> bool {
 ///
 /// # Safety
 /// Every range must be valid device-accessible memory until the copies complete on the stream.
-pub unsafe fn memcpy_batch(device: i32, dsts: &[u64], srcs: &[u64], sizes: &[usize], stream: u64, debug_sync: bool) -> Result<()> {
+pub unsafe fn memcpy_batch(
+    device: i32,
+    dsts: &[u64],
+    srcs: &[u64],
+    sizes: &[usize],
+    stream: u64,
+    debug_sync: bool,
+) -> Result<()> {
     debug_assert!(dsts.len() == srcs.len() && srcs.len() == sizes.len());
     #[cfg(kvtier_cuda)]
     {
@@ -294,7 +302,10 @@ impl Event {
     pub fn wait_in(&self, stream: u64) -> Result<()> {
         #[cfg(kvtier_cuda)]
         // SAFETY: the event is live; the stream handle comes from the caller.
-        return check(unsafe { ffi::kvtier_cuda_stream_wait_event(stream as *mut c_void, self.0) }, "cudaStreamWaitEvent");
+        return check(
+            unsafe { ffi::kvtier_cuda_stream_wait_event(stream as *mut c_void, self.0) },
+            "cudaStreamWaitEvent",
+        );
         #[cfg(not(kvtier_cuda))]
         {
             let _ = stream;

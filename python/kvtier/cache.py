@@ -154,7 +154,9 @@ class HostPrefixCache:
             self._host_states = HostPool(state_slots, self.state_bytes, chunk_bytes=s.pin_chunk_bytes)
             self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
             self._copy_states = PageCopier(self._staging, self._host_states)
-        self._xfer = Transfers(self._copy_pages, copy_streams=s.copy_streams, layerwise_loads=s.layerwise_loads)
+        # The copy streams and their ordering with the engine's stream (kvtier.transfer).
+        self.transfers = self._xfer = Transfers(self._copy_pages, copy_streams=s.copy_streams,
+                                                layerwise_loads=s.layerwise_loads)  # fmt: skip
         self._completions = self._xfer
         self._grower: threading.Thread | None = None
         self._closing = threading.Event()

@@ -1,4 +1,4 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,l3}`, `kvtier info`."""
+"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,l3,pin,overlap}`, `kvtier info`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "bench copy": "kvtier.bench.copy",
     "bench l3": "kvtier.bench.l3",
     "bench pin": "kvtier.bench.pin",
+    "bench overlap": "kvtier.bench.overlap",
     "soak": "kvtier.soak",
 }
 
@@ -21,7 +22,8 @@ USAGE = """usage: kvtier <command> [options]
 commands:
   demo           multi-turn conversations through the reference engine, cache off vs on
   bench index    the Rust index against plain-Python bookkeeping on one trace
-  bench copy     the page-copy kernel against contiguous memcpy (needs CUDA)
+  bench copy     the copy kernel and the copy engine against contiguous memcpy, and their cost to a GEMM (CUDA)
+  bench overlap  time to first token with whole and layer-wise loads; decode while a store streams (CUDA)
   bench l3       the L3 tier against raw Mooncake Store calls
   bench pin      pin a large host pool while the engine serves; time every cache call
   soak           randomized fault and load driver: cache on must equal cache off

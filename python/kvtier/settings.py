@@ -99,7 +99,7 @@ class CacheSettings:
     l3_seen_keys: int = 1 << 20
     # Copies: "auto" takes the copy engine for pieces >= copy_crossover_bytes, the kernel below (docs/PERFORMANCE.md).
     copy_method: str = "auto"
-    copy_crossover_bytes: int = 256 << 10
+    copy_crossover_bytes: int = 64 << 10
     copy_streams: bool = True  # False: every copy on the engine's current stream
     layerwise_loads: bool = False  # True: the engine calls wait_layer(l) before layer l reads its KV
 

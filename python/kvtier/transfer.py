@@ -59,6 +59,16 @@ class Transfers:
 
     # Streams
 
+    @property
+    def d2h_stream(self) -> int:
+        """The raw cudaStream_t of stores (0 without copy streams)."""
+        return self._d2h
+
+    @property
+    def h2d_stream(self) -> int:
+        """The raw cudaStream_t of loads (0 without copy streams)."""
+        return self._h2d
+
     def engine_stream(self) -> int:
         """The engine's current stream on the pool's device (0 on the CPU)."""
         return self._pages.stream_handle()

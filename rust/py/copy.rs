@@ -285,7 +285,9 @@ impl PyCompletionQueue {
     #[new]
     #[pyo3(signature = (device = None))]
     fn new(device: Option<i64>) -> PyResult<Self> {
-        let device = device.map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range")))).transpose()?;
+        let device = device
+            .map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range"))))
+            .transpose()?;
         Ok(Self { inner: Mutex::new(CompletionQueue::new(device).map_err(to_py)?) })
     }
 
