@@ -43,11 +43,11 @@ def test_random_batches_exact_and_poison_kept(layers: int, segment: int, seed: i
     gids = rng.choice(num_blocks, n, replace=False).astype(np.int32)
     hslots = rng.choice(slots, n, replace=False).astype(np.int32)
     copier.to_host(gids, hslots)
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], page(before, int(g)))
     untouched = np.setdiff1d(np.arange(slots), hslots)
     assert (hv[untouched] == POISON).all()
-    assert all(torch.equal(a, b) for a, b in zip(pool, before))  # the source is only read
+    assert all(torch.equal(a, b) for a, b in zip(pool, before, strict=False))  # the source is only read
 
     hv[:] = rng.integers(0, 256, hv.shape, dtype=np.uint8)
     for t in pool:
@@ -55,7 +55,7 @@ def test_random_batches_exact_and_poison_kept(layers: int, segment: int, seed: i
     dst = rng.choice(num_blocks, n, replace=False).astype(np.int32)
     src = rng.integers(0, slots, n).astype(np.int32)  # a host slot may be read twice
     copier.to_gpu(src, dst)
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(page(pool, int(g)), hv[s])
     rest = np.setdiff1d(np.arange(num_blocks), dst)
     assert all(bool((t[torch.from_numpy(rest)] == POISON).all()) for t in pool)
@@ -155,7 +155,7 @@ def test_bad_ids_rejected_before_any_copy(setup, call, exc, match) -> None:  # t
     with pytest.raises(exc, match=match):
         call(copier)
     assert (host_array(host) == POISON).all()
-    assert all(torch.equal(a, b) for a, b in zip(pool, before))
+    assert all(torch.equal(a, b) for a, b in zip(pool, before, strict=False))
 
 
 def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untyped-def]
@@ -174,7 +174,8 @@ def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untype
          r"gpu_pool\[1\] has shape \(5, 64\)"),
         (lambda: (torch.zeros(4, 40, dtype=torch.uint8), 48), ValueError, "multiple of 16, got 40"),
         (lambda: (torch.zeros(4 * 64 + 1, dtype=torch.uint8)[1:].view(4, 64), 64), ValueError, "not 16-byte aligned"),
-        (lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128), ValueError, "slot_bytes = 128 differs from the page size 64"),
+        (lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128), ValueError,
+         "slot_bytes = 128 differs from the page size 64"),
         (lambda: ([], 64), ValueError, "empty list"),
         (lambda: ([np.zeros((4, 64), np.uint8)], 64), TypeError, "torch.Tensor"),
     ],

@@ -20,7 +20,8 @@ OTHER = 0x3C
 
 def make(layers: int, segment: int, num_blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = [torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(layers)]
+    pool = [torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(layers)]
     host = HostPool(slots, segment * layers, chunk_bytes=1 << 20)
     assert host.pinned
     host.grow_to(slots)
@@ -60,11 +61,12 @@ def test_round_trip_exact_with_concurrent_writer(layers: int, segment: int, ctas
     torch.cuda.synchronize()
     written = np.zeros(slots, bool)
     written[hslots] = True
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], before_page(before, g)), f"slot {s} from block {g}"
     assert (hv[~written] == POISON).all()
-    for t, b in zip(pool, before):
-        assert torch.equal(t[torch.from_numpy(gids.astype(np.int64)).cuda()], b[torch.from_numpy(gids.astype(np.int64)).cuda()])
+    for t, b in zip(pool, before, strict=False):
+        idx = torch.from_numpy(gids.astype(np.int64)).cuda()
+        assert torch.equal(t[idx], b[idx])
         assert (t[other_idx] == OTHER).all()
 
     # Back the other way into poisoned blocks, from fresh random host bytes.
@@ -80,7 +82,7 @@ def test_round_trip_exact_with_concurrent_writer(layers: int, segment: int, ctas
             t.index_fill_(0, rest_idx, OTHER)
     copier.to_gpu(src, dst)
     torch.cuda.synchronize()
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(gpu_page(pool, int(g)), hv[s])
     for t in pool:
         assert (t[rest_idx] == OTHER).all()
@@ -182,7 +184,7 @@ def test_round_trips_across_segment_shapes(layers: int, segment: int) -> None:
     copier.to_host(gids, hslots)
     torch.cuda.synchronize()
     before = [t.clone() for t in pool]
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], gpu_page(before, int(g)))
     written = np.zeros(slots, bool)
     written[hslots] = True
@@ -194,7 +196,7 @@ def test_round_trips_across_segment_shapes(layers: int, segment: int) -> None:
     src = rng.choice(slots, n, replace=False).astype(np.int32)
     copier.to_gpu(src, dst)
     torch.cuda.synchronize()
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(gpu_page(pool, int(g)), hv[s])
     untouched = np.setdiff1d(np.arange(num_blocks), dst)
     for t in pool:

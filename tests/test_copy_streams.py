@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
@@ -128,7 +127,9 @@ def test_methods_exact_whole_and_per_layer(layers: int, segment: int, method: st
     hv = host_array(host)
     hv[:] = 0xA5
     # Consecutive ids (contiguous runs for the copy engine) and scattered ones.
-    gids = np.concatenate([np.arange(4, 12), rng.choice(np.arange(12, num_blocks), n - 8, replace=False)]).astype(np.int32)
+    gids = np.concatenate([np.arange(4, 12), rng.choice(np.arange(12, num_blocks), n - 8, replace=False)]).astype(
+        np.int32
+    )
     hslots = np.concatenate([np.arange(0, 8), rng.choice(np.arange(8, slots), n - 8, replace=False)]).astype(np.int32)
     torch.cuda.synchronize()
     used = copier.to_host(gids, hslots, stream.handle)
@@ -140,7 +141,7 @@ def test_methods_exact_whole_and_per_layer(layers: int, segment: int, method: st
     done = CopyEvent(torch.cuda.current_device())
     done.record(stream.handle)
     done.synchronize()
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], _page(pool, int(g)))
     written = np.zeros(slots, bool)
     written[hslots] = True
@@ -154,7 +155,7 @@ def test_methods_exact_whole_and_per_layer(layers: int, segment: int, method: st
         copier.to_gpu(hslots, gids, stream.handle, layers=(layer, layer + 1))
     done.record(stream.handle)
     done.wait_in(torch.cuda.current_stream().cuda_stream)  # GPU-side: the reads below are ordered after it
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(_page(pool, int(g)), hv[s])
     rest = torch.from_numpy(np.setdiff1d(np.arange(num_blocks), gids)).cuda()
     assert all((t[rest] == 0x3C).all() for t in pool)

@@ -4,13 +4,13 @@ A GPU pool is either one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) 
 ``[num_blocks, segment_bytes]``, one per layer (layer-first; a page is one segment of each). A state pool is a
 page-first pool of ``[num_states, state_bytes]``. The host page is contiguous, the layer segments back to back.
 
-On a CUDA pool, ``to_host``/``to_gpu`` enqueue the batch on the given stream (torch's current stream by default)
-and return at once, by the copy kernel or the copy engine (``method``: "auto" takes the copy engine for pieces of
-at least ``crossover_bytes``, see docs/PERFORMANCE.md); record a ticket in a :class:`CompletionQueue` after them and
-poll it from the engine loop. On a CPU pool they copy with a multi-threaded memcpy and are complete on return. Every argument is checked before
-anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device, alignment,
-id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message). ``KVTIER_DEBUG_SYNC=1`` makes every
-launch wait for its stream and report the kernel's own error.
+On a CUDA pool, ``to_host``/``to_gpu`` enqueue the batch on the given stream (torch's current stream by default) and
+return at once, by the copy kernel or the copy engine (``method``: "auto" takes the copy engine for pieces of at
+least ``crossover_bytes``, see docs/PERFORMANCE.md); record a ticket in a :class:`CompletionQueue` after them and
+poll it from the engine loop. On a CPU pool they copy with a multi-threaded memcpy and are complete on return. Every
+argument is checked before anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong
+shape, device, alignment, id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message).
+``KVTIER_DEBUG_SYNC=1`` makes every launch wait for its stream and report the kernel's own error.
 """
 
 from __future__ import annotations
@@ -96,15 +96,18 @@ class PageCopier:
             if t.shape != tensors[0].shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
             if t.device != tensors[0].device:
-                raise ValueError(f"all layer tensors must be on one device: {name} is on {t.device}, "
-                                 f"layer 0 on {tensors[0].device}")
+                raise ValueError(
+                    f"all layer tensors must be on one device: {name} is on {t.device}, layer 0 on {tensors[0].device}"
+                )
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(host, HostPool):
             raise TypeError(f"host must be a kvtier HostPool, got {type(host).__name__}")
         dev = tensors[0].device
         self.device: torch.device = dev
-        self._cuda_index = None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
+        self._cuda_index = (
+            None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
+        )
         num_blocks, segment_bytes = tensors[0].shape
         # SAFETY (for the ints passed below): self._tensors and self._host keep the memory alive for the life of
         # this object; the core copier itself only holds raw addresses and the host pool.
@@ -192,5 +195,7 @@ class PageCopier:
         return CompletionQueue(self._cuda_index)
 
     def __repr__(self) -> str:
-        return (f"PageCopier(device={self.device}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
-                f"page_bytes={self.page_bytes}, ctas={self.ctas}, threads={self.threads}, method={self.method!r})")
+        return (
+            f"PageCopier(device={self.device}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"page_bytes={self.page_bytes}, ctas={self.ctas}, threads={self.threads}, method={self.method!r})"
+        )

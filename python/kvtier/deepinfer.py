@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.cache import HostPrefixCache
 
+
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
 

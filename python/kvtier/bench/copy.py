@@ -156,6 +156,7 @@ class _Pages:
 
 def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any, rows: list[dict[str, Any]]) -> None:
     s_main, s_other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
     flat = torch.empty(pinned.numel(), dtype=torch.uint8, device=dev)
     half = pinned.numel() // 2
     rng = np.random.default_rng(0)
@@ -175,7 +176,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             for d in args.directions:
                 if d == "both":
 
-                    def mc() -> None:
+                    def mc(memcpy: dict[str, Callable[[], Any]] = memcpy) -> None:
                         memcpy["d2h"]()
                         with torch.cuda.stream(s_other):
                             memcpy["h2d"]()
@@ -191,10 +192,9 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
                         continue
                     kw = {"crossover_bytes": args.crossover[0]} if args.crossover else {}
                     c = pages.copier(ctas=ctas or sms, threads=args.threads, method=method, **kw)
-                    h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
                     used: dict[str, str] = {}
 
-                    def work(c: Any = c, d: str = d, used: dict[str, str] = used) -> None:
+                    def work(c: Any = c, d: str = d, used: dict[str, str] = used, pages: _Pages = pages) -> None:
                         if d in ("d2h", "both"):
                             used["d2h"] = c.to_host(pages.g_out, pages.h_out, h_main)
                         if d == "h2d":
@@ -260,7 +260,7 @@ def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows
             c = pages.copier(method=method)
             h = copy_stream.cuda_stream
 
-            def batch(c: Any = c, d: str = d) -> str:
+            def batch(c: Any = c, d: str = d, pages: _Pages = pages, h: int = h) -> str:
                 if d == "h2d":
                     return str(c.to_gpu(pages.h_in, pages.g_in, h))
                 return str(c.to_host(pages.g_out, pages.h_out, h))
@@ -301,7 +301,9 @@ def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows
             _emit(row, args.json)
         pages.close()
     alone_after = gemm_loop()
-    rows.append({"kind": "gemm_alone", "tflops_before": [round(x, 1) for x in alone], "tflops_after": round(alone_after, 1)})
+    rows.append(
+        {"kind": "gemm_alone", "tflops_before": [round(x, 1) for x in alone], "tflops_after": round(alone_after, 1)}
+    )
     _emit(rows[-1], args.json)
 
 
@@ -364,14 +366,19 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     rows = [r for r in rows if r["kind"] == "rate"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
-    for ax, d in zip(axes, DIRECTIONS):
+    for ax, d in zip(axes, DIRECTIONS, strict=False):
         sel = [r for r in rows if r["direction"] == d]
         for layout, method in sorted({(r["layout"], r["method"]) for r in sel}):
             pts = sorted((r["piece_bytes"], r["gbps"]) for r in sel if r["layout"] == layout and r["method"] == method)
-            ax.plot(*zip(*pts), marker="o", ls="-" if layout == "page-first" else "--", label=f"{layout}, {method}")
+            ax.plot(
+                *zip(*pts, strict=False),
+                marker="o",
+                ls="-" if layout == "page-first" else "--",
+                label=f"{layout}, {method}",
+            )
         mc = sorted({(r["piece_bytes"], r["memcpy_gbps"]) for r in sel if r["layout"] == "page-first"})
         if mc:
-            ax.plot(*zip(*mc), color="black", ls=":", label="contiguous memcpy")
+            ax.plot(*zip(*mc, strict=False), color="black", ls=":", label="contiguous memcpy")
         ax.set_xscale("log", base=2)
         ax.set_title(d)
         ax.set_xlabel("piece bytes")

@@ -181,9 +181,11 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     pre = args.prefix_tokens
     store_blocks = pre // bs
     steps_total = 20 + args.stores * 12
+    num_blocks = store_blocks + args.decode_seqs * (-(-(512 + steps_total) // bs)) + 8
     config = EngineConfig.preset(args.model, device=args.device, dtype="bfloat16", layout=layout, block_size=bs,
-                                 num_gpu_blocks=store_blocks + args.decode_seqs * (-(-(512 + steps_total) // bs)) + 8,
-                                 max_batch=args.decode_seqs, chunk_size=512, num_state_rings=args.decode_seqs + 1)  # fmt: skip
+                                 num_gpu_blocks=num_blocks,
+                                 max_batch=args.decode_seqs, chunk_size=512,
+                                 num_state_rings=args.decode_seqs + 1)  # fmt: skip
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(1)
     for streams in (True, False):
@@ -203,7 +205,7 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
         holder.num_computed_tokens = pre  # as if prefilled: its state windows are in its rings
         table = holder.block_table[:store_blocks]
 
-        def timed_step() -> float:
+        def timed_step(engine: Any = engine) -> float:
             t0 = time.perf_counter()
             engine.step()
             return time.perf_counter() - t0
@@ -238,7 +240,6 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
             row["growth"] = round(statistics.mean(during) / statistics.mean(base) - 1, 4)
         rows.append(row)
         cache.close()
-        del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows

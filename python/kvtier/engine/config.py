@@ -71,7 +71,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.vocab must be at least 2, got {self.vocab!r}")
         if self.head_dim % 2:
             raise ValueError(f"EngineConfig.head_dim must be even (rotary embedding), got {self.head_dim!r}")
-        if not isinstance(self.layer_pattern, str) or not self.layer_pattern or set(self.layer_pattern) - {FULL, SLIDING}:
+        pattern = self.layer_pattern
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {FULL, SLIDING}:
             raise ValueError(f"EngineConfig.layer_pattern must be a non-empty string of 'F' and 'S', "
                              f"got {self.layer_pattern!r}")
         if FULL not in self.layer_kinds:
