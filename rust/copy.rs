@@ -307,7 +307,7 @@ impl PageCopier {
         let slot_bytes = self.host.slot_bytes();
         // The host pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
         // registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
-        let step = self.host.chunk_bytes();
+        let step = self.host.step_bytes();
         let cap = gpu_ids.len() * layers.len();
         let mut pieces =
             Pieces { dev: Vec::with_capacity(cap), host: Vec::with_capacity(cap), size: Vec::with_capacity(cap) };

@@ -19,7 +19,7 @@ def make_pool(layers: int, segment: int, num_blocks: int, seed: int) -> list[tor
 
 
 def make_host(slots: int, slot_bytes: int) -> HostPool:
-    host = HostPool(slots, slot_bytes, chunk_bytes=1 << 16, pin=False)
+    host = HostPool(slots, slot_bytes, step_bytes=1 << 16, pin=False)
     host.grow_to(slots)
     return host
 
@@ -84,24 +84,33 @@ def test_states_are_page_first_slots() -> None:
     assert bool((states[[0, 2, 3, 5]] == POISON).all())
 
 
-def test_host_pool_grows_in_chunks() -> None:
-    host = HostPool(100, 1000 * 16, chunk_bytes=64 << 10, pin=False)
+def test_host_pool_grows_in_pin_steps() -> None:
+    host = HostPool(100, 1000 * 16, step_bytes=64 << 10, pin=False)
     assert (host.slots, host.slot_bytes, host.usable_slots, host.pinned) == (100, 16000, 0, False)
-    assert host.base_ptr % 4096 == 0
-    first = host.grow_chunk()
+    assert host.base_ptr % 4096 == 0 and host.step_bytes == 64 << 10
+    first = host.grow_step()
     assert first == host.usable_slots == (64 << 10) // 16000
     host.write(first - 1, b"\x07" * 16)
     assert host.read(first - 1)[:17] == b"\x07" * 16 + b"\x00"
     with pytest.raises(ValueError, match=f"slot {first} is not below usable_slots = {first}"):
         host.read(first)
     assert host.grow_to(100) == 100
-    assert host.grow_chunk() == 100
+    assert host.grow_step() == 100
     assert host.backed_bytes >= 100 * 16000
     assert host_array(host).shape == (100, 16000)
     host.close()
     host.close()
     with pytest.raises(ValueError, match="closed"):
-        host.grow_chunk()
+        host.grow_step()
+
+
+def test_host_pool_old_names_still_work() -> None:
+    host = HostPool(10, 4096, chunk_bytes=8192, pin=False)
+    assert host.chunk_bytes == host.step_bytes == 8192
+    assert host.grow_chunk() == 2
+    host.close()
+    with pytest.raises(ValueError, match="not both"):
+        HostPool(10, 4096, chunk_bytes=8192, step_bytes=8192, pin=False)
 
 
 @pytest.mark.parametrize(

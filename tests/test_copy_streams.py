@@ -105,7 +105,7 @@ def _pools(layers: int, segment: int, blocks: int, slots: int, seed: int):  # ty
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
             for _ in range(layers)]  # fmt: skip
-    host = HostPool(slots, segment * layers, chunk_bytes=1 << 20)
+    host = HostPool(slots, segment * layers, step_bytes=1 << 20)
     host.grow_to(slots)
     return pool, host
 

@@ -21,7 +21,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned chunk by chunk.
+/// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
+/// (`step_bytes`) at a time. `chunk_bytes` and `grow_chunk` are deprecated names of `step_bytes` and `grow_step`.
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
@@ -30,12 +31,25 @@ pub struct PyHostPool {
 #[pymethods]
 impl PyHostPool {
     #[new]
-    #[pyo3(signature = (slots, slot_bytes, *, chunk_bytes = hostmem::DEFAULT_CHUNK_BYTES as i64, pin = None))]
-    fn new(slots: i64, slot_bytes: i64, chunk_bytes: i64, pin: Option<bool>) -> PyResult<Self> {
+    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None, chunk_bytes = None))]
+    fn new(
+        slots: i64,
+        slot_bytes: i64,
+        step_bytes: Option<i64>,
+        pin: Option<bool>,
+        chunk_bytes: Option<i64>,
+    ) -> PyResult<Self> {
+        let step_bytes = match (step_bytes, chunk_bytes) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err("give step_bytes or its old name chunk_bytes, not both"));
+            }
+            (Some(b), None) | (None, Some(b)) => b,
+            (None, None) => hostmem::DEFAULT_STEP_BYTES as i64,
+        };
         let pool = HostPool::new(
             non_negative("slots", slots)?,
             non_negative("slot_bytes", slot_bytes)?,
-            non_negative("chunk_bytes", chunk_bytes)?,
+            non_negative("step_bytes", step_bytes)?,
             pin,
         )
         .map_err(to_py)?;
@@ -53,8 +67,14 @@ impl PyHostPool {
     }
 
     #[getter]
+    fn step_bytes(&self) -> u64 {
+        self.inner.step_bytes()
+    }
+
+    /// Deprecated name of `step_bytes`.
+    #[getter]
     fn chunk_bytes(&self) -> u64 {
-        self.inner.chunk_bytes()
+        self.inner.step_bytes()
     }
 
     #[getter]
@@ -77,9 +97,14 @@ impl PyHostPool {
         self.inner.backed_bytes()
     }
 
-    /// Back and pin the next chunk (the GIL is released meanwhile); returns usable_slots after it.
+    /// Back and pin the next pin step (the GIL is released meanwhile); returns usable_slots after it.
+    fn grow_step(&self, py: Python<'_>) -> PyResult<u32> {
+        py.detach(|| self.inner.grow_step()).map_err(to_py)
+    }
+
+    /// Deprecated name of `grow_step`.
     fn grow_chunk(&self, py: Python<'_>) -> PyResult<u32> {
-        py.detach(|| self.inner.grow_chunk()).map_err(to_py)
+        self.grow_step(py)
     }
 
     /// Grow until at least `slots` slots are usable (or the pool is full); returns usable_slots.

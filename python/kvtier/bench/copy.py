@@ -111,7 +111,7 @@ def _pin_rate(gib: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     while pool.usable_slots < pool.slots:
         s = time.perf_counter()
-        pool.grow_chunk()
+        pool.grow_step()
         steps.append(time.perf_counter() - s)
     total = time.perf_counter() - t0
     row = {
@@ -119,7 +119,7 @@ def _pin_rate(gib: float) -> dict[str, Any]:
         "gib": pool.slots * slot / (1 << 30),
         "seconds": total,
         "gibps": pool.slots * slot / (1 << 30) / total,
-        "step_bytes": pool.chunk_bytes,
+        "step_bytes": pool.step_bytes,
         "max_step_ms": max(steps) * 1e3,
         "pinned": pool.pinned,
     }
