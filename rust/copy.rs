@@ -302,11 +302,22 @@ impl PageCopier {
         stream: u64,
         layers: Range<usize>,
     ) -> Result<()> {
+        let Pieces { dev, host, size } = self.dma_pieces(gpu_ids, host_slots, layers);
+        let (srcs, dsts) = match dir {
+            Direction::ToHost => (dev, host),
+            Direction::ToGpu => (host, dev),
+        };
+        // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
+        unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &size, stream, self.opts.debug_sync) }
+    }
+
+    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. The host
+    /// pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
+    /// registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
+    fn dma_pieces(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Pieces {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
-        // The host pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
-        // registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
         let step = self.host.step_bytes();
         let cap = gpu_ids.len() * layers.len();
         let mut pieces =
@@ -325,13 +336,7 @@ impl PageCopier {
                 }
             }
         }
-        let Pieces { dev, host, size } = pieces;
-        let (srcs, dsts) = match dir {
-            Direction::ToHost => (dev, host),
-            Direction::ToGpu => (host, dev),
-        };
-        // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
-        unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &size, stream, self.opts.debug_sync) }
+        pieces
     }
 
     fn validate(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) -> Result<()> {
@@ -554,6 +559,30 @@ mod tests {
         assert!(c.copy(Direction::ToGpu, &[5], &[2], 0, 1..1).is_err());
         assert_eq!(Method::parse("dma").unwrap(), Method::Dma);
         assert!(Method::parse("fast").unwrap_err().to_string().contains("\"fast\""));
+    }
+
+    #[test]
+    fn dma_pieces_merge_runs_and_cut_at_pin_steps() {
+        // One layer of 1536-byte pages, contiguous on the GPU side; the host pool registers 4096-byte pin steps.
+        let mut mem = vec![0u8; 1536 * 16 + 16];
+        let base = (mem.as_mut_ptr() as u64).next_multiple_of(16);
+        let host = Arc::new(HostPool::new(16, 1536, 4096, Some(false)).unwrap());
+        host.grow_to(16).unwrap();
+        let pool =
+            GpuPool { layers: vec![Layer { base, stride: 1536 }], num_blocks: 16, segment_bytes: 1536, device: None };
+        // SAFETY: `mem` outlives the copier, which copies nothing here.
+        let c = unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions::default()).unwrap() };
+        let ids: Vec<i32> = (0..8).collect();
+        let p = c.dma_pieces(&ids, &ids, 0..1);
+        // 8 pages = 12288 bytes, one run on both sides, cut at the host steps: three pieces of 4096.
+        assert_eq!(p.size, vec![4096, 4096, 4096]);
+        assert_eq!(p.host, vec![host.base_ptr(), host.base_ptr() + 4096, host.base_ptr() + 8192]);
+        assert_eq!(p.dev, vec![base, base + 4096, base + 8192]);
+        // Not consecutive on the GPU side: no merge, though the host side is contiguous; slot 2 straddles a step.
+        let p = c.dma_pieces(&[0, 5, 9], &[0, 1, 2], 0..1);
+        assert_eq!(p.size, vec![1536, 1536, 1024, 512]);
+        assert_eq!(p.dev, vec![base, base + 5 * 1536, base + 9 * 1536, base + 9 * 1536 + 1024]);
+        drop(mem);
     }
 
     #[test]
