@@ -20,8 +20,10 @@ OTHER = 0x3C
 
 def make(layers: int, segment: int, num_blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = [torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
-            for _ in range(layers)]
+    pool = [
+        torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
+        for _ in range(layers)
+    ]
     host = HostPool(slots, segment * layers, step_bytes=1 << 20)
     assert host.pinned
     host.grow_to(slots)

@@ -215,6 +215,8 @@ def test_cpu_path_same_api() -> None:
     assert not xfer.copy_streams and not xfer.layerwise_loads and xfer.d2h_stream == xfer.h2d_stream == 0
     cache.wait_layer(0)
     cache.release([1, 2])
+    with pytest.raises(ValueError, match="block id 36 is outside the GPU pool of 36 blocks"):
+        cache.cache.release([3, 36])
     cache.cache.wait_loads()
     assert cache.stats_dict()["copies_in_flight"] == 0 and cache.stats_dict()["hits"] > 0
     cache.close()

@@ -158,9 +158,14 @@ class Transfers:
 
     def release(self, blocks: Any) -> None:
         """The engine is about to reuse ``blocks``: its stream waits for the pending stores that read them."""
+        ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        n = len(self._block_seq)
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = ids[(ids < 0) | (ids >= n)][0]
+            raise ValueError(f"block id {int(bad)} is outside the GPU pool of {n} blocks")
         if not self.copy_streams:
             return
-        ev = self._pending_store(np.asarray(blocks, dtype=np.int64).reshape(-1))
+        ev = self._pending_store(ids)
         if ev is not None:
             ev.wait_in(self.engine_stream())
 

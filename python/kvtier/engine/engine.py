@@ -61,10 +61,14 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.cache_config = CacheConfig(
-            block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks, layout=config.layout,
-            page_bytes=config.page_bytes, block_bytes_per_layer=config.block_bytes_per_layer,
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            layout=config.layout,
+            page_bytes=config.page_bytes,
+            block_bytes_per_layer=config.block_bytes_per_layer,
             num_state_rings=config.num_state_rings if config.num_sliding_layers else 0,
-            state_bytes=config.state_bytes)
+            state_bytes=config.state_bytes,
+        )
         self.layout = config.layout
         self.page_bytes = config.page_bytes
         self.block_bytes_per_layer = config.block_bytes_per_layer
@@ -134,8 +138,10 @@ class Engine:
         steps = 0
         while self.has_unfinished():
             if max_steps is not None and steps >= max_steps:
-                raise RuntimeError(f"requests still unfinished after {max_steps} steps: "
-                                   f"{len(self.waiting)} waiting, {len(self.running)} running")
+                raise RuntimeError(
+                    f"requests still unfinished after {max_steps} steps: "
+                    f"{len(self.waiting)} waiting, {len(self.running)} running"
+                )
             self.step()
             steps += 1
         return {rid: out for rid, out in self.outputs.items() if rid not in done_before}
@@ -190,16 +196,27 @@ class Engine:
     def _check_hit(self, seq: Sequence, hit: int) -> None:
         n = len(seq.prompt_ids)
         if not isinstance(hit, int) or hit < -1 or hit >= n or hit % self.config.block_size:
-            raise RuntimeError(f"cache.try_resume returned {hit!r} for request {seq.request_id!r} "
-                               f"(prompt of {n} tokens): expected -1, 0, or a block boundary below {n}")
+            raise RuntimeError(
+                f"cache.try_resume returned {hit!r} for request {seq.request_id!r} "
+                f"(prompt of {n} tokens): expected -1, 0, or a block boundary below {n}"
+            )
         if hit > 0 and not seq.is_allocated:
-            raise RuntimeError(f"cache.try_resume returned {hit} for request {seq.request_id!r} "
-                               f"without allocating the sequence")
+            raise RuntimeError(
+                f"cache.try_resume returned {hit} for request {seq.request_id!r} without allocating the sequence"
+            )
 
     def _forward(self, seq: Sequence, token_ids: list[int], start: int) -> torch.Tensor:
         wait_layer = getattr(self.cache, "wait_layer", None) if self.cache is not None else None
-        return self.model.forward(token_ids, start, self.pages, seq.block_table, self._block_ids[seq.request_id],
-                                  self.rings, seq.state_id, wait_layer=wait_layer)
+        return self.model.forward(
+            token_ids,
+            start,
+            self.pages,
+            seq.block_table,
+            self._block_ids[seq.request_id],
+            self.rings,
+            seq.state_id,
+            wait_layer=wait_layer,
+        )
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         """Prefill up to chunk_size prompt tokens from the resume point, one block-aligned span at a time."""
@@ -260,8 +277,10 @@ class Engine:
         slot = self._state_ring(seq)
         done = seq.num_computed_tokens
         if not isinstance(pos, int) or not max(0, done - self.ring_slack) <= pos <= done:
-            raise ValueError(f"select_state at pos {pos!r} for {seq.request_id!r}: the ring holds windows ending "
-                             f"in [{max(0, done - self.ring_slack)}, {done}]")
+            raise ValueError(
+                f"select_state at pos {pos!r} for {seq.request_id!r}: the ring holds windows ending "
+                f"in [{max(0, done - self.ring_slack)}, {done}]"
+            )
         self.rings.select(slot, pos, staging)  # type: ignore[union-attr]
 
     def load_state(self, seq: Sequence, pos: int, staging: torch.Tensor) -> None:
@@ -269,6 +288,5 @@ class Engine:
         resumes at pos exactly as if it had computed positions [0, pos)."""
         slot = self._state_ring(seq)
         if not isinstance(pos, int) or not 0 <= pos < len(seq.prompt_ids):
-            raise ValueError(f"load_state at pos {pos!r} for {seq.request_id!r}: must be in "
-                             f"[0, {len(seq.prompt_ids)})")
+            raise ValueError(f"load_state at pos {pos!r} for {seq.request_id!r}: must be in [0, {len(seq.prompt_ids)})")
         self.rings.load(slot, pos, staging)  # type: ignore[union-attr]

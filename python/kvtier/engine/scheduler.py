@@ -43,8 +43,10 @@ class Scheduler:
         """Raise RuntimeError when the sequence could never be allocated, even on an idle engine."""
         need = self.blocks_needed(seq)
         if need > self.blocks.capacity:
-            raise RuntimeError(f"request {seq.request_id!r} needs {need} GPU blocks "
-                               f"({seq.max_tokens} tokens), the pool has {self.blocks.capacity}")
+            raise RuntimeError(
+                f"request {seq.request_id!r} needs {need} GPU blocks "
+                f"({seq.max_tokens} tokens), the pool has {self.blocks.capacity}"
+            )
 
     def try_allocate_seq(self, seq: Sequence) -> bool:
         """Allocate the blocks of the whole prompt and generation (and a state ring when the model has sliding
