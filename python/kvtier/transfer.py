@@ -36,9 +36,9 @@ class Transfers:
 
     def __init__(self, pages: PageCopier, *, copy_streams: bool = True, layerwise_loads: bool = False) -> None:
         self._pages = pages
-        self._device = pages.cuda_index
+        self._device: int = pages.cuda_index if pages.cuda_index is not None else -1  # -1: a CPU pool
         self.completions: CompletionQueue = pages.completion_queue()
-        on_gpu = self._device is not None
+        on_gpu = pages.cuda_index is not None
         self.copy_streams = copy_streams and on_gpu
         self.layerwise_loads = layerwise_loads and self.copy_streams
         self._num_layers = pages.num_layers

@@ -176,7 +176,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             for d in args.directions:
                 if d == "both":
 
-                    def mc(memcpy: dict[str, Callable[[], Any]] = memcpy) -> None:
+                    def mc(memcpy: dict[str, Callable[..., Any]] = memcpy) -> None:
                         memcpy["d2h"]()
                         with torch.cuda.stream(s_other):
                             memcpy["h2d"]()

@@ -145,6 +145,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     host = HostPool(n, page_bytes)
     host.grow_to(n)
     pool = engine.gpu_blocks if engine.gpu_blocks is not None else engine.gpu_layers
+    assert pool is not None
     copier = PageCopier(pool, host, method=args.method)
     stream = torch.cuda.Stream() if args.device != "cpu" else None
     ids = np.arange(n, dtype=np.int32)
