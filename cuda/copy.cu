@@ -1,13 +1,14 @@
 // kvtier's CUDA code: page copies between a GPU pool and pinned host memory through UVA pointers.
 //
-// The kernel sees a batch as one flat run of 16-byte vectors: page, then layer chunk, then vector. Each block
+// The kernel sees a batch as one flat run of 16-byte vectors: page, then layer segment, then vector. Each CTA
 // takes tiles of threads * kUnroll vectors, each warp a contiguous run of 32 * kUnroll of them (4 KiB); each thread
-// issues all kUnroll loads of a tile before its stores, so a few blocks keep enough PCIe requests in flight to
-// reach the link's ceiling. Neighbouring lanes read neighbouring vectors whatever the chunk size: small layer chunks (a 16 KiB page over 61 layers is 272 bytes a
-// chunk) still fill whole warps, since a warp simply runs on into the next chunk.
+// issues all kUnroll loads of a tile before its stores, so a few CTAs keep enough PCIe requests in flight to
+// reach the link's ceiling. Neighbouring lanes read neighbouring vectors whatever the segment size: small layer
+// segments (a 16 KiB page over 61 layers is 272 bytes a segment) still fill whole warps, since a warp simply runs on
+// into the next segment.
 //
 // The warp-span tiling was chosen over five other kernels (block-strided tiles, an L2 256-byte prefetch hint,
-// whole chunks to warps, Hopper bulk copies through shared memory) by measurement: docs/PERFORMANCE.md "Page
+// whole segments to warps, Hopper bulk copies through shared memory) by measurement: docs/PERFORMANCE.md "Page
 // copies"; those kernels are in the history at 96acb7e.
 //
 // Ids travel by value in the kernel parameters (CUDA 12.1+ allows 32764 bytes on sm_70+), so nothing the caller
@@ -50,7 +51,7 @@ constexpr int kParamBytes = 32764;
 struct Head {
   uint64_t host_base;
   uint64_t slot_bytes;
-  uint32_t chunk_vecs;  // 16-byte vectors in one layer chunk
+  uint32_t segment_vecs;  // 16-byte vectors in one layer segment
   uint32_t layers;
   uint32_t to_host;
   uint32_t pad;
@@ -74,20 +75,20 @@ static_assert(sizeof(Params<KVTIER_MAX_LAYERS, kMaxIds<KVTIER_MAX_LAYERS>>) <= k
 
 template <int L, int N>
 __device__ __forceinline__ void locate(const Params<L, N>& p, uint32_t g, const uint4*& src, uint4*& dst) {
-  const uint32_t c = g / p.h.chunk_vecs;
-  const uint32_t v = g - c * p.h.chunk_vecs;
+  const uint32_t c = g / p.h.segment_vecs;
+  const uint32_t v = g - c * p.h.segment_vecs;
   const uint32_t page = L == 1 ? c : c / p.h.layers;
   const uint32_t l = L == 1 ? 0 : c - page * p.h.layers;
   const kvtier_layer& layer = p.layer[l];
   char* dev = reinterpret_cast<char*>(layer.base) + static_cast<uint64_t>(p.gpu_id[page]) * layer.stride +
               static_cast<uint64_t>(v) * 16;
   char* host = reinterpret_cast<char*>(p.h.host_base) + static_cast<uint64_t>(p.host_id[page]) * p.h.slot_bytes +
-               (static_cast<uint64_t>(l) * p.h.chunk_vecs + v) * 16;
+               (static_cast<uint64_t>(l) * p.h.segment_vecs + v) * 16;
   src = reinterpret_cast<const uint4*>(p.h.to_host ? dev : host);
   dst = reinterpret_cast<uint4*>(p.h.to_host ? host : dev);
 }
 
-// A block takes tiles of blockDim.x * kUnroll vectors; a warp's kUnroll loads cover 32 * kUnroll neighbouring
+// A CTA takes tiles of blockDim.x * kUnroll vectors; a warp's kUnroll loads cover 32 * kUnroll neighbouring
 // vectors (4 KiB), lane-interleaved, all issued before the stores.
 template <int L, int N>
 __global__ void __launch_bounds__(1024) copy_pages_kernel(const __grid_constant__ Params<L, N> p, uint32_t total) {
@@ -119,12 +120,12 @@ int launch(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* hos
   Params<L, N> p;
   p.h.host_base = d->host_base;
   p.h.slot_bytes = d->slot_bytes;
-  p.h.chunk_vecs = static_cast<uint32_t>(d->chunk_bytes / 16);
+  p.h.segment_vecs = static_cast<uint32_t>(d->segment_bytes / 16);
   p.h.layers = d->num_layers;
   p.h.to_host = d->to_host ? 1 : 0;
   p.h.pad = 0;
   std::memcpy(p.layer, d->layers, sizeof(kvtier_layer) * d->num_layers);
-  const uint64_t page_vecs = static_cast<uint64_t>(p.h.chunk_vecs) * d->num_layers;
+  const uint64_t page_vecs = static_cast<uint64_t>(p.h.segment_vecs) * d->num_layers;
   // The kernel indexes vectors with 32 bits: keep each launch below 2^31 of them.
   const size_t per_launch = std::min<uint64_t>(N, (static_cast<uint64_t>(INT_MAX) - 1) / page_vecs);
   const uint32_t tile = d->threads * kUnroll;
@@ -133,7 +134,7 @@ int launch(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* hos
     std::memcpy(p.gpu_id, gpu_ids + off, m * sizeof(int32_t));
     std::memcpy(p.host_id, host_ids + off, m * sizeof(int32_t));
     const uint32_t total = static_cast<uint32_t>(m * page_vecs);
-    const uint32_t grid = std::min<uint32_t>(d->blocks, (total + tile - 1) / tile);
+    const uint32_t grid = std::min<uint32_t>(d->ctas, (total + tile - 1) / tile);
     copy_pages_kernel<L, N><<<grid, d->threads, 0, s>>>(p, total);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -153,9 +154,9 @@ int set_device(int device) {
 extern "C" int kvtier_copy_pages(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* host_ids,
                                  size_t n, void* stream) {
   if (n == 0) return cudaSuccess;
-  if (d->num_layers == 0 || d->num_layers > KVTIER_MAX_LAYERS || d->chunk_bytes == 0 || d->chunk_bytes % 16 != 0 ||
-      d->chunk_bytes / 16 * d->num_layers >= INT_MAX || d->threads == 0 || d->threads > 1024 ||
-      d->threads % 32 != 0 || d->blocks == 0)
+  if (d->num_layers == 0 || d->num_layers > KVTIER_MAX_LAYERS || d->segment_bytes == 0 || d->segment_bytes % 16 != 0 ||
+      d->segment_bytes / 16 * d->num_layers >= INT_MAX || d->threads == 0 || d->threads > 1024 ||
+      d->threads % 32 != 0 || d->ctas == 0)
     return cudaErrorInvalidValue;
   int err = set_device(d->device);
   if (err != cudaSuccess) return err;
@@ -197,3 +198,58 @@ extern "C" int kvtier_cuda_event_synchronize(void* event) {
 }
 
 extern "C" int kvtier_cuda_event_destroy(void* event) { return cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+extern "C" int kvtier_cuda_stream_wait_event(void* stream, void* event) {
+  return cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);
+}
+
+extern "C" int kvtier_cuda_stream_create(int device, void** stream) {
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  cudaStream_t s = nullptr;
+  err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = s;
+  return err;
+}
+
+extern "C" int kvtier_cuda_stream_destroy(void* stream) { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+
+extern "C" int kvtier_cuda_dma_supported(void) {
+#if CUDART_VERSION >= 12080
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return driver >= 12080 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+extern "C" int kvtier_memcpy_batch(int device, void* const* dsts, const void* const* srcs, const size_t* sizes,
+                                   size_t n, void* stream, int debug_sync) {
+  if (n == 0) return cudaSuccess;
+#if CUDART_VERSION >= 12080
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaMemcpyAttributes attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t first = 0;
+#if CUDART_VERSION >= 13000
+  err = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &first, 1, s);
+#else
+  size_t fail = 0;
+  err = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs), const_cast<size_t*>(sizes), n,
+                             &attr, &first, 1, &fail, s);
+#endif
+  if (err == cudaSuccess && debug_sync) err = cudaStreamSynchronize(s);
+  return err;
+#else
+  (void)device; (void)dsts; (void)srcs; (void)sizes; (void)stream; (void)debug_sync;
+  return cudaErrorNotSupported;
+#endif
+}

@@ -21,7 +21,7 @@ const char* kvtier_cuda_error_string(int code);
 int kvtier_cuda_host_register(void* ptr, size_t bytes);
 int kvtier_cuda_host_unregister(void* ptr);
 
-// One GPU layer tensor of a page pool: block b's chunk of the page is at base + b * stride.
+// One GPU layer tensor of a page pool: block b's segment of the page is at base + b * stride.
 typedef struct {
   uint64_t base;
   uint64_t stride;
@@ -30,20 +30,21 @@ typedef struct {
 // Most layer tensors a pool may have (one for page-first pools).
 #define KVTIER_MAX_LAYERS 256
 
-// A batch of page copies between a GPU pool (num_layers tensors, chunk_bytes a page per tensor) and a host pool
-// (slot s at host_base + s * slot_bytes, the layer chunks back to back). Page i moves between GPU block
+// A batch of page copies between a GPU pool (num_layers tensors, segment_bytes a page per tensor) and a host pool
+// (slot s at host_base + s * slot_bytes, the layer segments back to back). Page i moves between GPU block
 // gpu_ids[i] and host slot host_ids[i]; to_host says which way. Ids are read on the host and passed to the kernel
 // by value, so the arrays may be freed as soon as this returns. Launches on `stream` of `device` with at most
-// `blocks` blocks of `threads` threads and never synchronizes, unless debug_sync (then it waits for the stream
-// and reports the kernel's own error). Arguments are validated by the caller.
+// `ctas` CUDA thread blocks of `threads` threads and never synchronizes, unless debug_sync (then it waits for the
+// stream and reports the kernel's own error). Arguments are validated by the caller. A copy of some layers only
+// passes those layers' tensors and host_base advanced by the first one's offset in the host page.
 typedef struct {
   const kvtier_layer* layers;
   uint32_t num_layers;
-  uint64_t chunk_bytes;
+  uint64_t segment_bytes;
   uint64_t host_base;
   uint64_t slot_bytes;
   int device;
-  uint32_t blocks;
+  uint32_t ctas;
   uint32_t threads;
   int to_host;
   int debug_sync;
@@ -59,6 +60,21 @@ int kvtier_cuda_event_record(void* event, void* stream);
 int kvtier_cuda_event_query(void* event);
 int kvtier_cuda_event_synchronize(void* event);
 int kvtier_cuda_event_destroy(void* event);
+// Make `stream` wait (on the GPU, not the host) for the work recorded before `event`.
+int kvtier_cuda_stream_wait_event(void* stream, void* event);
+
+// kvtier's own copy streams: non-blocking (no implicit order with the legacy default stream).
+int kvtier_cuda_stream_create(int device, void** stream);
+int kvtier_cuda_stream_destroy(void* stream);
+
+// Whether the copy engine path (cudaMemcpyBatchAsync) can run: built against CUDA 12.8+ and a driver that has it.
+int kvtier_cuda_dma_supported(void);
+
+// One cudaMemcpyBatchAsync of n pieces (dsts[i] <- srcs[i], sizes[i] bytes) on `stream` of `device`, in stream order,
+// with the hint to overlap with compute. The arrays may be freed as soon as this returns. `stream` must not be the
+// legacy default stream. debug_sync as for kvtier_copy_pages.
+int kvtier_memcpy_batch(int device, void* const* dsts, const void* const* srcs, const size_t* sizes, size_t n,
+                        void* stream, int debug_sync);
 
 #ifdef __cplusplus
 }

@@ -1,23 +1,79 @@
 //! Page copies between a GPU pool and a host pool, and the completion queue the engine loop polls.
 //!
-//! A GPU pool is one tensor per layer (one for page-first): block b's chunk of a page is `chunk_bytes` at
-//! `base + b * stride`. The host page is contiguous, the layer chunks back to back. On a CUDA device the batch is
-//! one kernel launch (or a few, see cuda/copy.cu) on the caller's stream, never waited for; on a CPU pool the
-//! copy is a multi-threaded memcpy, complete on return. Every argument is validated before anything is copied.
+//! A GPU pool is one tensor per layer (one for page-first): block b's segment of a page is `segment_bytes` at
+//! `base + b * stride`. The host page is contiguous, the layer segments back to back. On a CUDA device a batch goes
+//! by one of two methods on the caller's stream, never waited for: the copy kernel (one launch, or a few, see
+//! cuda/copy.cu) or the copy engine (one `cudaMemcpyBatchAsync` of the batch's pieces, where a piece is a run of
+//! segments contiguous on both sides). `Method::Auto` takes the copy engine when the batch's mean piece is at least
+//! the crossover (docs/PERFORMANCE.md), the kernel otherwise, and always on the legacy default stream, which the
+//! copy engine's batch call refuses, and where the driver lacks it. On a CPU pool the copy is a multi-threaded
+//! memcpy, complete on return. Every argument is validated before anything is copied.
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 
-use crate::cuda::{self, Event, Layer, Launch};
+use crate::cuda::{self, Event, Launch, Layer};
 use crate::error::{invalid, Error, Result};
 use crate::hostmem::HostPool;
 
-/// Blocks of the copy kernel when none are given: the fewest that reach the link's ceiling (docs/PERFORMANCE.md).
-pub const DEFAULT_BLOCKS: u32 = 8;
-/// Threads a block.
+/// CTAs (CUDA thread blocks) of the copy kernel when none are given: the fewest that reach the link's ceiling
+/// (docs/PERFORMANCE.md).
+pub const DEFAULT_CTAS: u32 = 8;
+/// Threads a CTA.
 pub const DEFAULT_THREADS: u32 = 512;
+/// Mean piece size from which `Method::Auto` takes the copy engine (measured: docs/PERFORMANCE.md, "Copy engine
+/// against kernel").
+pub const DEFAULT_CROSSOVER_BYTES: u64 = 64 << 10;
 /// Below this many bytes a CPU copy stays on the calling thread.
 const CPU_BYTES_PER_THREAD: u64 = 4 << 20;
 const CPU_MAX_THREADS: usize = 8;
+
+/// How a batch is copied on a CUDA device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// The copy engine for large pieces, the kernel for small ones.
+    Auto,
+    Kernel,
+    /// The copy engine (falls back to the kernel where it cannot run: legacy default stream, older driver).
+    Dma,
+}
+
+impl Method {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "kernel" => Ok(Self::Kernel),
+            "dma" => Ok(Self::Dma),
+            _ => Err(invalid(format!("copy method must be 'auto', 'kernel' or 'dma', got {s:?}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Kernel => "kernel",
+            Self::Dma => "dma",
+        }
+    }
+}
+
+/// What carried a batch: the kernel, the copy engine, or memcpy on the host (CPU pools, empty batches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Used {
+    Kernel,
+    Dma,
+    Memcpy,
+}
+
+impl Used {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Dma => "dma",
+            Self::Memcpy => "memcpy",
+        }
+    }
+}
 
 /// Which way a batch goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,32 +87,54 @@ pub enum Direction {
 pub struct GpuPool {
     pub layers: Vec<Layer>,
     pub num_blocks: u32,
-    pub chunk_bytes: u64,
+    pub segment_bytes: u64,
     pub device: Option<i32>,
+}
+
+/// How a copier launches: kernel grid, method and crossover.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyOptions {
+    pub ctas: u32,
+    pub threads: u32,
+    pub method: Method,
+    pub crossover_bytes: u64,
+    pub debug_sync: bool,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        Self {
+            ctas: DEFAULT_CTAS,
+            threads: DEFAULT_THREADS,
+            method: Method::Auto,
+            crossover_bytes: DEFAULT_CROSSOVER_BYTES,
+            debug_sync: false,
+        }
+    }
 }
 
 /// Copies pages between one GPU pool and one host pool.
 pub struct PageCopier {
     pool: GpuPool,
     host: Arc<HostPool>,
-    blocks: u32,
-    threads: u32,
-    debug_sync: bool,
+    opts: CopyOptions,
+    dma: bool,
 }
 
 impl PageCopier {
     /// # Safety
-    /// Every layer range `base .. base + (num_blocks - 1) * stride + chunk_bytes` must stay valid memory of
+    /// Every layer range `base .. base + (num_blocks - 1) * stride + segment_bytes` must stay valid memory of
     /// `pool.device` (host memory when None) for the copier's life and until its last copy completes.
-    pub unsafe fn new(pool: GpuPool, host: Arc<HostPool>, blocks: u32, threads: u32, debug_sync: bool) -> Result<Self> {
+    pub unsafe fn new(pool: GpuPool, host: Arc<HostPool>, opts: CopyOptions) -> Result<Self> {
+        let CopyOptions { ctas, threads, .. } = opts;
         let n = pool.layers.len();
         if n == 0 || n > cuda::MAX_LAYERS {
             return Err(invalid(format!("a GPU pool has 1 to {} layer tensors, got {n}", cuda::MAX_LAYERS)));
         }
-        if pool.chunk_bytes == 0 || pool.chunk_bytes % 16 != 0 {
+        if pool.segment_bytes == 0 || pool.segment_bytes % 16 != 0 {
             return Err(invalid(format!(
                 "bytes per block of each layer tensor must be a positive multiple of 16, got {}",
-                pool.chunk_bytes
+                pool.segment_bytes
             )));
         }
         if pool.num_blocks == 0 || pool.num_blocks > i32::MAX as u32 {
@@ -66,23 +144,23 @@ impl PageCopier {
             if l.base % 16 != 0 {
                 return Err(invalid(format!("layer {i}: data pointer {:#x} is not 16-byte aligned", l.base)));
             }
-            if l.stride % 16 != 0 || l.stride < pool.chunk_bytes {
+            if l.stride % 16 != 0 || l.stride < pool.segment_bytes {
                 return Err(invalid(format!(
                     "layer {i}: block stride {} must be a multiple of 16 and >= {} bytes",
-                    l.stride, pool.chunk_bytes
+                    l.stride, pool.segment_bytes
                 )));
             }
         }
-        let page_bytes = pool.chunk_bytes * n as u64;
+        let page_bytes = pool.segment_bytes * n as u64;
         if host.slot_bytes() != page_bytes {
             return Err(invalid(format!(
                 "host pool slot_bytes = {} differs from the page size {page_bytes} ({n} layer(s) x {} bytes)",
                 host.slot_bytes(),
-                pool.chunk_bytes
+                pool.segment_bytes
             )));
         }
-        if !(1..=65535).contains(&blocks) {
-            return Err(invalid(format!("blocks must be 1 to 65535, got {blocks}")));
+        if !(1..=65535).contains(&ctas) {
+            return Err(invalid(format!("ctas must be 1 to 65535, got {ctas}")));
         }
         if threads == 0 || threads > 1024 || threads % 32 != 0 {
             return Err(invalid(format!("threads must be a multiple of 32 from 32 to 1024, got {threads}")));
@@ -95,7 +173,8 @@ impl PageCopier {
                 return Err(invalid("the host pool is not pinned (pin=False), so a CUDA device cannot reach it"));
             }
         }
-        Ok(Self { pool, host, blocks, threads, debug_sync })
+        let dma = pool.device.is_some() && cuda::dma_supported();
+        Ok(Self { pool, host, opts, dma })
     }
 
     pub fn pool(&self) -> &GpuPool {
@@ -106,58 +185,158 @@ impl PageCopier {
         &self.host
     }
 
-    pub fn blocks(&self) -> u32 {
-        self.blocks
+    pub fn options(&self) -> &CopyOptions {
+        &self.opts
     }
 
-    pub fn threads(&self) -> u32 {
-        self.threads
+    /// Whether the copy engine path can run here (a CUDA pool, CUDA 12.8+ runtime and driver).
+    pub fn dma_available(&self) -> bool {
+        self.dma
     }
 
     pub fn page_bytes(&self) -> u64 {
-        self.pool.chunk_bytes * self.pool.layers.len() as u64
+        self.pool.segment_bytes * self.pool.layers.len() as u64
     }
 
     /// GPU blocks `gpu_ids[i]` -> host slots `host_slots[i]`.
-    pub fn to_host(&self, gpu_ids: &[i32], host_slots: &[i32], stream: u64) -> Result<()> {
-        self.copy(Direction::ToHost, gpu_ids, host_slots, stream)
+    pub fn to_host(&self, gpu_ids: &[i32], host_slots: &[i32], stream: u64) -> Result<Used> {
+        self.copy(Direction::ToHost, gpu_ids, host_slots, stream, 0..self.pool.layers.len())
     }
 
     /// Host slots `host_slots[i]` -> GPU blocks `gpu_ids[i]`.
-    pub fn to_gpu(&self, host_slots: &[i32], gpu_ids: &[i32], stream: u64) -> Result<()> {
-        self.copy(Direction::ToGpu, gpu_ids, host_slots, stream)
+    pub fn to_gpu(&self, host_slots: &[i32], gpu_ids: &[i32], stream: u64) -> Result<Used> {
+        self.copy(Direction::ToGpu, gpu_ids, host_slots, stream, 0..self.pool.layers.len())
     }
 
-    fn copy(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32], stream: u64) -> Result<()> {
+    /// The segments of layers `layers` only (a layer-wise load issues one call a layer or group of layers).
+    pub fn copy(
+        &self,
+        dir: Direction,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: Range<usize>,
+    ) -> Result<Used> {
         let mem = self.host.access()?;
         self.validate(dir, gpu_ids, host_slots)?;
+        let n_layers = self.pool.layers.len();
+        if layers.start >= layers.end || layers.end > n_layers {
+            return Err(invalid(format!(
+                "layers {}..{} is not a non-empty range of the pool's {n_layers}",
+                layers.start, layers.end
+            )));
+        }
         if gpu_ids.is_empty() {
-            return Ok(());
+            return Ok(Used::Memcpy);
         }
         let result = match self.pool.device {
             Some(device) => {
-                let launch = Launch {
-                    layers: &self.pool.layers,
-                    chunk_bytes: self.pool.chunk_bytes,
-                    host_base: self.host.base_ptr(),
-                    slot_bytes: self.host.slot_bytes(),
-                    device,
-                    blocks: self.blocks,
-                    threads: self.threads,
-                    to_host: dir == Direction::ToHost,
-                    debug_sync: self.debug_sync,
-                };
-                // SAFETY: ids were validated against both pools; the GPU pool stays alive per `new`'s contract and
-                // the host slots are pinned and mapped until close, which the caller orders after completion.
-                unsafe { cuda::copy_pages(&launch, gpu_ids, host_slots, stream) }
+                if self.choose_dma(gpu_ids, host_slots, stream, &layers) {
+                    self.dma_copy(device, dir, gpu_ids, host_slots, stream, layers).map(|()| Used::Dma)
+                } else {
+                    let launch = Launch {
+                        layers: &self.pool.layers[layers.clone()],
+                        segment_bytes: self.pool.segment_bytes,
+                        host_base: self.host.base_ptr() + layers.start as u64 * self.pool.segment_bytes,
+                        slot_bytes: self.host.slot_bytes(),
+                        device,
+                        ctas: self.opts.ctas,
+                        threads: self.opts.threads,
+                        to_host: dir == Direction::ToHost,
+                        debug_sync: self.opts.debug_sync,
+                    };
+                    // SAFETY: ids were validated against both pools; the GPU pool stays alive per `new`'s contract
+                    // and the host slots are pinned and mapped until close, which the caller orders after completion.
+                    unsafe { cuda::copy_pages(&launch, gpu_ids, host_slots, stream) }.map(|()| Used::Kernel)
+                }
             }
             None => {
-                self.cpu_copy(dir, gpu_ids, host_slots);
-                Ok(())
+                self.cpu_copy(dir, gpu_ids, host_slots, layers);
+                Ok(Used::Memcpy)
             }
         };
         drop(mem);
         result
+    }
+
+    /// Pieces the batch makes for the copy engine: runs of pages whose segments are contiguous on both sides.
+    fn piece_count(&self, gpu_ids: &[i32], host_slots: &[i32], layers: &Range<usize>) -> usize {
+        let seg = self.pool.segment_bytes;
+        // A host page holds all its layers' segments, so consecutive slots are contiguous in one layer only when
+        // the pool has one layer; the GPU side needs consecutive ids with stride == segment.
+        let merges = self.pool.layers.len() == 1 && self.pool.layers[0].stride == seg && self.host.slot_bytes() == seg;
+        let runs = if merges {
+            1 + gpu_ids
+                .windows(2)
+                .zip(host_slots.windows(2))
+                .filter(|(g, h)| g[1] != g[0] + 1 || h[1] != h[0] + 1)
+                .count()
+        } else {
+            gpu_ids.len()
+        };
+        runs * layers.len()
+    }
+
+    fn choose_dma(&self, gpu_ids: &[i32], host_slots: &[i32], stream: u64, layers: &Range<usize>) -> bool {
+        // 0 and 1 are the legacy default stream (cudaStreamLegacy), which cudaMemcpyBatchAsync refuses.
+        if !self.dma || stream <= 1 {
+            return false;
+        }
+        match self.opts.method {
+            Method::Kernel => false,
+            Method::Dma => true,
+            Method::Auto => {
+                let bytes = gpu_ids.len() as u64 * self.pool.segment_bytes * layers.len() as u64;
+                let pieces = self.piece_count(gpu_ids, host_slots, layers) as u64;
+                bytes >= self.opts.crossover_bytes * pieces
+            }
+        }
+    }
+
+    fn dma_copy(
+        &self,
+        device: i32,
+        dir: Direction,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: Range<usize>,
+    ) -> Result<()> {
+        let Pieces { dev, host, size } = self.dma_pieces(gpu_ids, host_slots, layers);
+        let (srcs, dsts) = match dir {
+            Direction::ToHost => (dev, host),
+            Direction::ToGpu => (host, dev),
+        };
+        // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
+        unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &size, stream, self.opts.debug_sync) }
+    }
+
+    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. The host
+    /// pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
+    /// registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
+    fn dma_pieces(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Pieces {
+        let seg = self.pool.segment_bytes;
+        let host_base = self.host.base_ptr();
+        let slot_bytes = self.host.slot_bytes();
+        let step = self.host.step_bytes();
+        let cap = gpu_ids.len() * layers.len();
+        let mut pieces =
+            Pieces { dev: Vec::with_capacity(cap), host: Vec::with_capacity(cap), size: Vec::with_capacity(cap) };
+        for l in layers {
+            let layer = self.pool.layers[l];
+            for (&g, &h) in gpu_ids.iter().zip(host_slots) {
+                let mut dev = layer.base + g as u64 * layer.stride;
+                let mut off = h as u64 * slot_bytes + l as u64 * seg;
+                let end = off + seg;
+                while off < end {
+                    let cut = ((off / step + 1) * step).min(end);
+                    pieces.push(dev, host_base + off, cut - off, off % step != 0);
+                    dev += cut - off;
+                    off = cut;
+                }
+            }
+        }
+        pieces
     }
 
     fn validate(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) -> Result<()> {
@@ -198,23 +377,24 @@ impl PageCopier {
         Ok(())
     }
 
-    /// Both pools are host memory: copy each (page, layer) chunk, spread over a few threads for large batches.
-    fn cpu_copy(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) {
-        let chunk = self.pool.chunk_bytes;
-        let layers = &self.pool.layers;
+    /// Both pools are host memory: copy each (page, layer) segment, spread over a few threads for large batches.
+    fn cpu_copy(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) {
+        let seg = self.pool.segment_bytes;
+        let pool_layers = &self.pool.layers;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
         let copy_page = |i: usize| {
-            for (l, layer) in layers.iter().enumerate() {
+            for l in layers.clone() {
+                let layer = pool_layers[l];
                 let dev = layer.base + gpu_ids[i] as u64 * layer.stride;
-                let host = host_base + host_slots[i] as u64 * slot_bytes + l as u64 * chunk;
+                let host = host_base + host_slots[i] as u64 * slot_bytes + l as u64 * seg;
                 let (src, dst) = match dir {
                     Direction::ToHost => (dev, host),
                     Direction::ToGpu => (host, dev),
                 };
                 // SAFETY: validated ids inside both pools; destinations are distinct, and the two pools are
                 // separate allocations, so no two copies of a batch overlap.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, chunk as usize) };
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, seg as usize) };
             }
         };
         let n = gpu_ids.len();
@@ -239,7 +419,31 @@ impl PageCopier {
     }
 }
 
-/// Tokens of launched work in launch order, each with the event recorded after it; polled without blocking.
+/// Copy-engine pieces, merged while contiguous on both sides and inside one pin step of the host pool.
+struct Pieces {
+    dev: Vec<u64>,
+    host: Vec<u64>,
+    size: Vec<usize>,
+}
+
+impl Pieces {
+    /// `joins`: the piece starts inside the step the previous byte of host memory is in (not at a step boundary).
+    fn push(&mut self, dev: u64, host: u64, len: u64, joins: bool) {
+        if joins {
+            if let (Some(&d), Some(&h), Some(last)) = (self.dev.last(), self.host.last(), self.size.last_mut()) {
+                if d + *last as u64 == dev && h + *last as u64 == host {
+                    *last += len as usize;
+                    return;
+                }
+            }
+        }
+        self.dev.push(dev);
+        self.host.push(host);
+        self.size.push(len as usize);
+    }
+}
+
+/// Tickets of launched work in launch order, each with the event recorded after it; polled without blocking.
 pub struct CompletionQueue {
     device: Option<i32>,
     pending: VecDeque<(u64, Option<Event>)>,
@@ -247,7 +451,7 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    /// A queue for copies on CUDA device `device`, or for CPU copies (None: every token completes at once).
+    /// A queue for copies on CUDA device `device`, or for CPU copies (None: every ticket completes at once).
     pub fn new(device: Option<i32>) -> Result<Self> {
         if let Some(d) = device {
             let count = cuda::device_count();
@@ -258,8 +462,8 @@ impl CompletionQueue {
         Ok(Self { device, pending: VecDeque::new(), free: Vec::new() })
     }
 
-    /// Record `token` as complete once the work launched so far on `stream` is.
-    pub fn record(&mut self, token: u64, stream: u64) -> Result<()> {
+    /// Record `ticket` as complete once the work launched so far on `stream` is.
+    pub fn record(&mut self, ticket: u64, stream: u64) -> Result<()> {
         let event = match self.device {
             None => None,
             Some(d) => {
@@ -274,11 +478,11 @@ impl CompletionQueue {
                 Some(ev)
             }
         };
-        self.pending.push_back((token, event));
+        self.pending.push_back((ticket, event));
         Ok(())
     }
 
-    /// Tokens completed since the last poll, in record order, up to the first that is still running.
+    /// Tickets completed since the last poll, in record order, up to the first that is still running.
     pub fn poll(&mut self) -> Result<Vec<u64>> {
         let mut done = Vec::new();
         while let Some((_, ev)) = self.pending.front() {
@@ -287,9 +491,9 @@ impl CompletionQueue {
                     break;
                 }
             }
-            let (token, ev) = self.pending.pop_front().expect("front exists");
+            let (ticket, ev) = self.pending.pop_front().expect("front exists");
             self.free.extend(ev);
-            done.push(token);
+            done.push(ticket);
         }
         Ok(done)
     }
@@ -298,9 +502,9 @@ impl CompletionQueue {
         self.pending.len()
     }
 
-    /// Block until everything recorded has completed; returns the tokens not yet returned by `poll`.
+    /// Block until everything recorded has completed; returns the tickets not yet returned by `poll`.
     pub fn wait_all(&mut self) -> Result<Vec<u64>> {
-        // Every event, not just the last: tokens may have been recorded on different streams.
+        // Every event, not just the last: tickets may have been recorded on different streams.
         for (_, ev) in &self.pending {
             if let Some(ev) = ev {
                 ev.wait()?;
@@ -314,20 +518,21 @@ impl CompletionQueue {
 mod tests {
     use super::*;
 
-    fn pool_and_copier(layers: usize, chunk: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
-        let mut mem: Vec<Vec<u8>> = (0..layers).map(|l| vec![l as u8; (chunk as usize + 16) * blocks as usize + 16]).collect();
+    fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
+        let mut mem: Vec<Vec<u8>> =
+            (0..layers).map(|l| vec![l as u8; (seg as usize + 16) * blocks as usize + 16]).collect();
         let layer_ptrs = mem
             .iter_mut()
             .map(|m| {
                 let base = (m.as_mut_ptr() as u64).next_multiple_of(16);
-                Layer { base, stride: chunk + 16 }
+                Layer { base, stride: seg + 16 }
             })
             .collect();
-        let host = Arc::new(HostPool::new(slots, chunk * layers as u64, 1 << 16, Some(false)).unwrap());
+        let host = Arc::new(HostPool::new(slots, seg * layers as u64, 1 << 16, Some(false)).unwrap());
         host.grow_to(slots).unwrap();
-        let pool = GpuPool { layers: layer_ptrs, num_blocks: blocks, chunk_bytes: chunk, device: None };
+        let pool = GpuPool { layers: layer_ptrs, num_blocks: blocks, segment_bytes: seg, device: None };
         // SAFETY: `mem` is returned to the test and outlives the copier's use.
-        let copier = unsafe { PageCopier::new(pool, host, 8, 512, false).unwrap() };
+        let copier = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
         (mem, copier)
     }
 
@@ -340,6 +545,44 @@ mod tests {
         c.to_gpu(&[1], &[2], 0).unwrap();
         assert!(c.to_gpu(&[1, 3], &[2, 2], 0).unwrap_err().to_string().contains("twice"));
         assert!(c.to_host(&[6], &[0], 0).unwrap_err().to_string().contains("gpu_ids[0] = 6"));
+    }
+
+    #[test]
+    fn some_layers_only() {
+        let (_mem, c) = pool_and_copier(3, 32, 6, 4);
+        assert_eq!(c.to_host(&[5], &[1], 0).unwrap(), Used::Memcpy);
+        c.host().write(2, &[9u8; 96]).unwrap();
+        c.copy(Direction::ToGpu, &[5], &[2], 0, 1..2).unwrap();
+        c.to_host(&[5], &[3], 0).unwrap();
+        assert_eq!(c.host().read(3).unwrap(), [vec![0u8; 32], vec![9; 32], vec![2; 32]].concat());
+        assert!(c.copy(Direction::ToGpu, &[5], &[2], 0, 2..4).unwrap_err().to_string().contains("layers 2..4"));
+        assert!(c.copy(Direction::ToGpu, &[5], &[2], 0, 1..1).is_err());
+        assert_eq!(Method::parse("dma").unwrap(), Method::Dma);
+        assert!(Method::parse("fast").unwrap_err().to_string().contains("\"fast\""));
+    }
+
+    #[test]
+    fn dma_pieces_merge_runs_and_cut_at_pin_steps() {
+        // One layer of 1536-byte pages, contiguous on the GPU side; the host pool registers 4096-byte pin steps.
+        let mut mem = vec![0u8; 1536 * 16 + 16];
+        let base = (mem.as_mut_ptr() as u64).next_multiple_of(16);
+        let host = Arc::new(HostPool::new(16, 1536, 4096, Some(false)).unwrap());
+        host.grow_to(16).unwrap();
+        let pool =
+            GpuPool { layers: vec![Layer { base, stride: 1536 }], num_blocks: 16, segment_bytes: 1536, device: None };
+        // SAFETY: `mem` outlives the copier, which copies nothing here.
+        let c = unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions::default()).unwrap() };
+        let ids: Vec<i32> = (0..8).collect();
+        let p = c.dma_pieces(&ids, &ids, 0..1);
+        // 8 pages = 12288 bytes, one run on both sides, cut at the host steps: three pieces of 4096.
+        assert_eq!(p.size, vec![4096, 4096, 4096]);
+        assert_eq!(p.host, vec![host.base_ptr(), host.base_ptr() + 4096, host.base_ptr() + 8192]);
+        assert_eq!(p.dev, vec![base, base + 4096, base + 8192]);
+        // Not consecutive on the GPU side: no merge, though the host side is contiguous; slot 2 straddles a step.
+        let p = c.dma_pieces(&[0, 5, 9], &[0, 1, 2], 0..1);
+        assert_eq!(p.size, vec![1536, 1536, 1024, 512]);
+        assert_eq!(p.dev, vec![base, base + 5 * 1536, base + 9 * 1536, base + 9 * 1536 + 1024]);
+        drop(mem);
     }
 
     #[test]

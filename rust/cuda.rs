@@ -1,5 +1,5 @@
 //! The CUDA runtime calls kvtier makes (through cuda/copy.h): build probes, host registration, the page-copy
-//! launcher and completion events. Without CUDA compiled in, every call that needs it fails with
+//! launcher, the copy engine's batch copy, copy streams and events. Without CUDA compiled in, every call that needs it fails with
 //! `Error::Copy("CUDA is not compiled in")` and the probes report nothing.
 use std::ffi::c_void;
 
@@ -13,11 +13,11 @@ mod ffi {
     pub struct CopyDesc {
         pub layers: *const super::Layer,
         pub num_layers: u32,
-        pub chunk_bytes: u64,
+        pub segment_bytes: u64,
         pub host_base: u64,
         pub slot_bytes: u64,
         pub device: i32,
-        pub blocks: u32,
+        pub ctas: u32,
         pub threads: u32,
         pub to_host: i32,
         pub debug_sync: i32,
@@ -41,6 +41,19 @@ mod ffi {
         pub fn kvtier_cuda_event_query(event: *mut c_void) -> i32;
         pub fn kvtier_cuda_event_synchronize(event: *mut c_void) -> i32;
         pub fn kvtier_cuda_event_destroy(event: *mut c_void) -> i32;
+        pub fn kvtier_cuda_stream_wait_event(stream: *mut c_void, event: *mut c_void) -> i32;
+        pub fn kvtier_cuda_stream_create(device: i32, stream: *mut *mut c_void) -> i32;
+        pub fn kvtier_cuda_stream_destroy(stream: *mut c_void) -> i32;
+        pub fn kvtier_cuda_dma_supported() -> i32;
+        pub fn kvtier_memcpy_batch(
+            device: i32,
+            dsts: *const *mut c_void,
+            srcs: *const *const c_void,
+            sizes: *const usize,
+            n: usize,
+            stream: *mut c_void,
+            debug_sync: i32,
+        ) -> i32;
     }
 }
 
@@ -50,7 +63,7 @@ pub const COMPILED: bool = cfg!(kvtier_cuda);
 /// Most layer tensors a GPU pool may have (`KVTIER_MAX_LAYERS` in cuda/copy.h).
 pub const MAX_LAYERS: usize = 256;
 
-/// One GPU layer tensor of a page pool: block b's chunk of a page is at `base + b * stride` (bytes).
+/// One GPU layer tensor of a page pool: block b's segment of a page is at `base + b * stride` (bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layer {
@@ -62,11 +75,11 @@ pub struct Layer {
 #[derive(Debug, Clone, Copy)]
 pub struct Launch<'a> {
     pub layers: &'a [Layer],
-    pub chunk_bytes: u64,
+    pub segment_bytes: u64,
     pub host_base: u64,
     pub slot_bytes: u64,
     pub device: i32,
-    pub blocks: u32,
+    pub ctas: u32,
     pub threads: u32,
     pub to_host: bool,
     pub debug_sync: bool,
@@ -145,16 +158,17 @@ pub unsafe fn copy_pages(l: &Launch<'_>, gpu_ids: &[i32], host_ids: &[i32], stre
         let desc = ffi::CopyDesc {
             layers: l.layers.as_ptr(),
             num_layers: u32::try_from(l.layers.len()).expect("layer count checked by the caller"),
-            chunk_bytes: l.chunk_bytes,
+            segment_bytes: l.segment_bytes,
             host_base: l.host_base,
             slot_bytes: l.slot_bytes,
             device: l.device,
-            blocks: l.blocks,
+            ctas: l.ctas,
             threads: l.threads,
             to_host: i32::from(l.to_host),
             debug_sync: i32::from(l.debug_sync),
         };
-        let code = ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
+        let code =
+            ffi::kvtier_copy_pages(&desc, gpu_ids.as_ptr(), host_ids.as_ptr(), gpu_ids.len(), stream as *mut c_void);
         check(code, "page copy kernel")
     }
     #[cfg(not(kvtier_cuda))]
@@ -164,12 +178,97 @@ pub unsafe fn copy_pages(l: &Launch<'_>, gpu_ids: &[i32], host_ids: &[i32], stre
     }
 }
 
+/// Whether the copy engine's batch copy (cudaMemcpyBatchAsync) is compiled in and the driver has it.
+pub fn dma_supported() -> bool {
+    #[cfg(kvtier_cuda)]
+    // SAFETY: a pure query.
+    return unsafe { ffi::kvtier_cuda_dma_supported() } == 1;
+    #[cfg(not(kvtier_cuda))]
+    false
+}
+
+/// One copy-engine batch: `dsts[i] <- srcs[i]`, `sizes[i]` bytes, on `stream` (not the legacy default stream).
+///
+/// # Safety
+/// Every range must be valid device-accessible memory until the copies complete on the stream.
+pub unsafe fn memcpy_batch(
+    device: i32,
+    dsts: &[u64],
+    srcs: &[u64],
+    sizes: &[usize],
+    stream: u64,
+    debug_sync: bool,
+) -> Result<()> {
+    debug_assert!(dsts.len() == srcs.len() && srcs.len() == sizes.len());
+    #[cfg(kvtier_cuda)]
+    {
+        let code = ffi::kvtier_memcpy_batch(
+            device,
+            dsts.as_ptr().cast(),
+            srcs.as_ptr().cast(),
+            sizes.as_ptr(),
+            sizes.len(),
+            stream as *mut c_void,
+            i32::from(debug_sync),
+        );
+        check(code, "cudaMemcpyBatchAsync")
+    }
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (device, dsts, srcs, sizes, stream, debug_sync);
+        not_compiled()
+    }
+}
+
+/// A non-blocking CUDA stream kvtier creates for its copies, destroyed on drop.
+#[derive(Debug)]
+pub struct Stream(#[cfg_attr(not(kvtier_cuda), allow(dead_code))] *mut c_void);
+
+// SAFETY: a CUDA stream handle may be used from any host thread.
+unsafe impl Send for Stream {}
+// SAFETY: CUDA's stream calls are thread-safe; the handle itself is never mutated.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new(device: i32) -> Result<Self> {
+        #[cfg(kvtier_cuda)]
+        {
+            let mut s = std::ptr::null_mut();
+            // SAFETY: `s` is a valid out-pointer.
+            check(unsafe { ffi::kvtier_cuda_stream_create(device, &mut s) }, "cudaStreamCreateWithFlags")?;
+            Ok(Self(s))
+        }
+        #[cfg(not(kvtier_cuda))]
+        {
+            let _ = device;
+            not_compiled()
+        }
+    }
+
+    /// The raw cudaStream_t.
+    pub fn handle(&self) -> u64 {
+        self.0 as u64
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        #[cfg(kvtier_cuda)]
+        // SAFETY: created by kvtier_cuda_stream_create and destroyed once; CUDA lets queued work finish first.
+        unsafe {
+            ffi::kvtier_cuda_stream_destroy(self.0);
+        }
+    }
+}
+
 /// A CUDA event without timing, destroyed on drop. (Without CUDA compiled in none is ever made.)
 #[derive(Debug)]
 pub struct Event(#[cfg_attr(not(kvtier_cuda), allow(dead_code))] *mut c_void);
 
 // SAFETY: a CUDA event handle may be used from any host thread.
 unsafe impl Send for Event {}
+// SAFETY: CUDA's event calls are thread-safe; the handle itself is never mutated.
+unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(device: i32) -> Result<Self> {
@@ -192,6 +291,21 @@ impl Event {
         #[cfg(kvtier_cuda)]
         // SAFETY: the event is live; the stream handle comes from the caller's framework.
         return check(unsafe { ffi::kvtier_cuda_event_record(self.0, stream as *mut c_void) }, "cudaEventRecord");
+        #[cfg(not(kvtier_cuda))]
+        {
+            let _ = stream;
+            not_compiled()
+        }
+    }
+
+    /// Make `stream` wait, on the GPU, for the work recorded before the event (the host does not wait).
+    pub fn wait_in(&self, stream: u64) -> Result<()> {
+        #[cfg(kvtier_cuda)]
+        // SAFETY: the event is live; the stream handle comes from the caller.
+        return check(
+            unsafe { ffi::kvtier_cuda_stream_wait_event(stream as *mut c_void, self.0) },
+            "cudaStreamWaitEvent",
+        );
         #[cfg(not(kvtier_cuda))]
         {
             let _ = stream;

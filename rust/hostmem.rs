@@ -1,6 +1,6 @@
 //! Host pools: `slots` slots of `slot_bytes`, reserved up front as one virtual range (nothing committed), so a
-//! slot's address is `base + slot * slot_bytes` for the pool's whole life; backed and pinned one chunk at a time
-//! by `grow_chunk`, which the cache runs off the engine loop. Only slots below `usable_slots()` may be copied to
+//! slot's address is `base + slot * slot_bytes` for the pool's whole life; backed and pinned one pin step at a
+//! time by `grow_step`, which the cache runs off the engine loop. Only slots below `usable_slots()` may be copied to
 //! or from.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
@@ -28,7 +28,7 @@ mod sys {
 
 const PAGE: u64 = 4096;
 /// Default growth step: about a tenth of a second of first touch and registration.
-pub const DEFAULT_CHUNK_BYTES: u64 = 256 << 20;
+pub const DEFAULT_STEP_BYTES: u64 = 256 << 20;
 
 pub(crate) struct Mapping {
     base: *mut u8,
@@ -45,7 +45,7 @@ unsafe impl Sync for Mapping {}
 pub struct HostPool {
     slots: u32,
     slot_bytes: u64,
-    chunk_bytes: u64,
+    step_bytes: u64,
     pin: bool,
     base: u64,
     /// Bytes from the base that are backed (and pinned when `pin`): slots below backed / slot_bytes are usable.
@@ -56,16 +56,16 @@ pub struct HostPool {
 }
 
 impl HostPool {
-    /// Reserve the range. `pin`: register chunks with CUDA as they grow (None: when a CUDA device is visible).
-    pub fn new(slots: u32, slot_bytes: u64, chunk_bytes: u64, pin: Option<bool>) -> Result<Self> {
+    /// Reserve the range. `pin`: register pin steps with CUDA as they grow (None: when a CUDA device is visible).
+    pub fn new(slots: u32, slot_bytes: u64, step_bytes: u64, pin: Option<bool>) -> Result<Self> {
         if slots == 0 {
             return Err(invalid("slots must be > 0, got 0"));
         }
         if slot_bytes == 0 || slot_bytes % 16 != 0 {
             return Err(invalid(format!("slot_bytes must be a positive multiple of 16, got {slot_bytes}")));
         }
-        if chunk_bytes == 0 {
-            return Err(invalid("chunk_bytes must be > 0, got 0"));
+        if step_bytes == 0 {
+            return Err(invalid("step_bytes must be > 0, got 0"));
         }
         let has_device = cuda::device_count() > 0;
         let pin = pin.unwrap_or(has_device);
@@ -91,7 +91,7 @@ impl HostPool {
         Ok(Self {
             slots,
             slot_bytes,
-            chunk_bytes: chunk_bytes.next_multiple_of(PAGE),
+            step_bytes: step_bytes.next_multiple_of(PAGE),
             pin,
             base: base as u64,
             backed: AtomicU64::new(0),
@@ -108,11 +108,11 @@ impl HostPool {
         self.slot_bytes
     }
 
-    pub fn chunk_bytes(&self) -> u64 {
-        self.chunk_bytes
+    pub fn step_bytes(&self) -> u64 {
+        self.step_bytes
     }
 
-    /// Whether chunks are registered with CUDA as they grow.
+    /// Whether pin steps are registered with CUDA as they grow.
     pub fn pinned(&self) -> bool {
         self.pin
     }
@@ -133,9 +133,9 @@ impl HostPool {
         u32::try_from(usable.min(u64::from(self.slots))).expect("bounded by slots")
     }
 
-    /// Back and pin the next chunk; returns `usable_slots()` after it (unchanged once the pool is fully grown).
+    /// Back and pin the next pin step; returns `usable_slots()` after it (unchanged once the pool is fully grown).
     /// Copies of usable slots go on meanwhile: only `close` waits for a grow.
-    pub fn grow_chunk(&self) -> Result<u32> {
+    pub fn grow_step(&self) -> Result<u32> {
         let _grow = self.grow.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (base, len) = {
             let guard = self.access()?;
@@ -147,7 +147,7 @@ impl HostPool {
         if start >= len {
             return Ok(self.usable_slots());
         }
-        let end = (start + self.chunk_bytes as usize).min(len);
+        let end = (start + self.step_bytes as usize).min(len);
         // SAFETY: [start, end) lies inside the mapping.
         let ptr = unsafe { base.add(start) };
         touch(ptr, end - start);
@@ -165,7 +165,7 @@ impl HostPool {
     pub fn grow_to(&self, slots: u32) -> Result<u32> {
         let mut usable = self.usable_slots();
         while usable < slots.min(self.slots) {
-            usable = self.grow_chunk()?;
+            usable = self.grow_step()?;
         }
         Ok(usable)
     }
@@ -192,7 +192,11 @@ impl HostPool {
         let _mem = self.access()?;
         let at = self.slot_offset(slot)?;
         if data.len() as u64 > self.slot_bytes {
-            return Err(invalid(format!("data of {} bytes does not fit a slot of {} bytes", data.len(), self.slot_bytes)));
+            return Err(invalid(format!(
+                "data of {} bytes does not fit a slot of {} bytes",
+                data.len(),
+                self.slot_bytes
+            )));
         }
         // SAFETY: the slot is usable and the write stays inside it; the guard keeps the mapping alive.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (self.base + at) as *mut u8, data.len()) };
@@ -215,7 +219,7 @@ impl HostPool {
         self.backed.store(0, Ordering::Release);
         let mut first_error = None;
         for &(start, _) in &mem.pinned {
-            // SAFETY: registered by grow_chunk; the caller guarantees no copy is in flight.
+            // SAFETY: registered by grow_step; the caller guarantees no copy is in flight.
             if let Err(e) = unsafe { cuda::host_unregister(mem.base.add(start)) } {
                 first_error.get_or_insert(e);
             }
@@ -251,16 +255,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn grows_in_chunks_and_reads_back() {
+    fn grows_in_steps_and_reads_back() {
         let pool = HostPool::new(10, 1000 * 16, 3 * 16000, Some(false)).unwrap();
         assert_eq!(pool.usable_slots(), 0);
         assert!(pool.read(0).is_err());
-        let first = pool.grow_chunk().unwrap();
+        let first = pool.grow_step().unwrap();
         assert!((3..10).contains(&first), "{first}");
         pool.write(1, &[7; 16]).unwrap();
         assert_eq!(&pool.read(1).unwrap()[..17], &[7u8; 16].iter().copied().chain([0]).collect::<Vec<_>>()[..]);
         assert_eq!(pool.grow_to(10).unwrap(), 10);
-        assert_eq!(pool.grow_chunk().unwrap(), 10);
+        assert_eq!(pool.grow_step().unwrap(), 10);
         pool.close().unwrap();
         assert!(pool.read(1).is_err());
     }

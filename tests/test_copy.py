@@ -13,13 +13,13 @@ from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array  # noq
 POISON = 0xA5
 
 
-def make_pool(layers: int, chunk: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
+def make_pool(layers: int, segment: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (num_blocks, chunk), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    return [torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, generator=gen) for _ in range(layers)]
 
 
 def make_host(slots: int, slot_bytes: int) -> HostPool:
-    host = HostPool(slots, slot_bytes, chunk_bytes=1 << 16, pin=False)
+    host = HostPool(slots, slot_bytes, step_bytes=1 << 16, pin=False)
     host.grow_to(slots)
     return host
 
@@ -28,13 +28,13 @@ def page(pool: list[torch.Tensor], block: int) -> np.ndarray:
     return torch.cat([t[block] for t in pool]).numpy()
 
 
-@pytest.mark.parametrize("layers,chunk", [(1, 16), (1, 4096), (1, 1 << 20), (61, 272), (5, 2048)])
+@pytest.mark.parametrize("layers,segment", [(1, 16), (1, 4096), (1, 1 << 20), (61, 272), (5, 2048)])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_batches_exact_and_poison_kept(layers: int, chunk: int, seed: int) -> None:
+def test_random_batches_exact_and_poison_kept(layers: int, segment: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     num_blocks, slots = 40, 30
-    pool = make_pool(layers, chunk, num_blocks, seed)
-    host = make_host(slots, layers * chunk)
+    pool = make_pool(layers, segment, num_blocks, seed)
+    host = make_host(slots, layers * segment)
     copier = PageCopier(pool[0] if layers == 1 else pool, host)
     hv = host_array(host)
     hv[:] = POISON
@@ -43,11 +43,11 @@ def test_random_batches_exact_and_poison_kept(layers: int, chunk: int, seed: int
     gids = rng.choice(num_blocks, n, replace=False).astype(np.int32)
     hslots = rng.choice(slots, n, replace=False).astype(np.int32)
     copier.to_host(gids, hslots)
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], page(before, int(g)))
     untouched = np.setdiff1d(np.arange(slots), hslots)
     assert (hv[untouched] == POISON).all()
-    assert all(torch.equal(a, b) for a, b in zip(pool, before))  # the source is only read
+    assert all(torch.equal(a, b) for a, b in zip(pool, before, strict=False))  # the source is only read
 
     hv[:] = rng.integers(0, 256, hv.shape, dtype=np.uint8)
     for t in pool:
@@ -55,7 +55,7 @@ def test_random_batches_exact_and_poison_kept(layers: int, chunk: int, seed: int
     dst = rng.choice(num_blocks, n, replace=False).astype(np.int32)
     src = rng.integers(0, slots, n).astype(np.int32)  # a host slot may be read twice
     copier.to_gpu(src, dst)
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(page(pool, int(g)), hv[s])
     rest = np.setdiff1d(np.arange(num_blocks), dst)
     assert all(bool((t[torch.from_numpy(rest)] == POISON).all()) for t in pool)
@@ -84,24 +84,33 @@ def test_states_are_page_first_slots() -> None:
     assert bool((states[[0, 2, 3, 5]] == POISON).all())
 
 
-def test_host_pool_grows_in_chunks() -> None:
-    host = HostPool(100, 1000 * 16, chunk_bytes=64 << 10, pin=False)
+def test_host_pool_grows_in_pin_steps() -> None:
+    host = HostPool(100, 1000 * 16, step_bytes=64 << 10, pin=False)
     assert (host.slots, host.slot_bytes, host.usable_slots, host.pinned) == (100, 16000, 0, False)
-    assert host.base_ptr % 4096 == 0
-    first = host.grow_chunk()
+    assert host.base_ptr % 4096 == 0 and host.step_bytes == 64 << 10
+    first = host.grow_step()
     assert first == host.usable_slots == (64 << 10) // 16000
     host.write(first - 1, b"\x07" * 16)
     assert host.read(first - 1)[:17] == b"\x07" * 16 + b"\x00"
     with pytest.raises(ValueError, match=f"slot {first} is not below usable_slots = {first}"):
         host.read(first)
     assert host.grow_to(100) == 100
-    assert host.grow_chunk() == 100
+    assert host.grow_step() == 100
     assert host.backed_bytes >= 100 * 16000
     assert host_array(host).shape == (100, 16000)
     host.close()
     host.close()
     with pytest.raises(ValueError, match="closed"):
-        host.grow_chunk()
+        host.grow_step()
+
+
+def test_host_pool_old_names_still_work() -> None:
+    host = HostPool(10, 4096, chunk_bytes=8192, pin=False)
+    assert host.chunk_bytes == host.step_bytes == 8192
+    assert host.grow_chunk() == 2
+    host.close()
+    with pytest.raises(ValueError, match="not both"):
+        HostPool(10, 4096, chunk_bytes=8192, step_bytes=8192, pin=False)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +164,7 @@ def test_bad_ids_rejected_before_any_copy(setup, call, exc, match) -> None:  # t
     with pytest.raises(exc, match=match):
         call(copier)
     assert (host_array(host) == POISON).all()
-    assert all(torch.equal(a, b) for a, b in zip(pool, before))
+    assert all(torch.equal(a, b) for a, b in zip(pool, before, strict=False))
 
 
 def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untyped-def]
@@ -170,11 +179,18 @@ def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untype
         (lambda: (torch.zeros(4, 64, dtype=torch.float16), 128), TypeError, "dtype torch.uint8"),
         (lambda: (torch.zeros(4, 64, 2, dtype=torch.uint8), 128), ValueError, "2-D"),
         (lambda: (torch.zeros(64, 8, dtype=torch.uint8).t(), 64), ValueError, "contiguous"),
-        (lambda: ([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(5, 64, dtype=torch.uint8)], 128), ValueError,
-         r"gpu_pool\[1\] has shape \(5, 64\)"),
+        (
+            lambda: ([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(5, 64, dtype=torch.uint8)], 128),
+            ValueError,
+            r"gpu_pool\[1\] has shape \(5, 64\)",
+        ),
         (lambda: (torch.zeros(4, 40, dtype=torch.uint8), 48), ValueError, "multiple of 16, got 40"),
         (lambda: (torch.zeros(4 * 64 + 1, dtype=torch.uint8)[1:].view(4, 64), 64), ValueError, "not 16-byte aligned"),
-        (lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128), ValueError, "slot_bytes = 128 differs from the page size 64"),
+        (
+            lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128),
+            ValueError,
+            "slot_bytes = 128 differs from the page size 64",
+        ),
         (lambda: ([], 64), ValueError, "empty list"),
         (lambda: ([np.zeros((4, 64), np.uint8)], 64), TypeError, "torch.Tensor"),
     ],
@@ -191,8 +207,10 @@ def test_bad_grid_rejected() -> None:
     host = make_host(2, 64)
     with pytest.raises(ValueError, match="threads must be a multiple of 32"):
         PageCopier(pool, host, threads=100)
-    with pytest.raises(ValueError, match="blocks must be 1 to 65535, got 0"):
-        PageCopier(pool, host, blocks=0)
+    with pytest.raises(ValueError, match="ctas must be 1 to 65535, got 0"):
+        PageCopier(pool, host, ctas=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        PageCopier(pool, host, method="fast")
 
 
 def test_cpu_completion_queue_completes_at_once() -> None:
@@ -200,10 +218,10 @@ def test_cpu_completion_queue_completes_at_once() -> None:
     copier = PageCopier(pool, make_host(2, 64))
     q = copier.completion_queue()
     assert isinstance(q, CompletionQueue)
-    for token in (7, 3, 9):
-        q.record(token)
+    for ticket in (7, 3, 9):
+        q.record(ticket)
     assert q.pending() == 3
     assert q.poll() == [7, 3, 9]
     assert q.pending() == 0 and q.poll() == [] and q.wait_all() == []
-    with pytest.raises(ValueError, match="token must be >= 0"):
+    with pytest.raises(ValueError, match="ticket must be >= 0"):
         q.record(-1)

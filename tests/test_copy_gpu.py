@@ -18,10 +18,13 @@ POISON = 0xA5
 OTHER = 0x3C
 
 
-def make(layers: int, chunk: int, num_blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
+def make(layers: int, segment: int, num_blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = [torch.randint(0, 256, (num_blocks, chunk), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(layers)]
-    host = HostPool(slots, chunk * layers, chunk_bytes=1 << 20)
+    pool = [
+        torch.randint(0, 256, (num_blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
+        for _ in range(layers)
+    ]
+    host = HostPool(slots, segment * layers, step_bytes=1 << 20)
     assert host.pinned
     host.grow_to(slots)
     return pool, host
@@ -37,13 +40,13 @@ def split(rng: np.random.Generator, total: int, n: int) -> tuple[np.ndarray, np.
     return perm[:n], perm[n:]
 
 
-@pytest.mark.parametrize("layers,chunk", [(1, 4096), (1, 16 << 10), (61, 272), (7, 1024), (3, 16)])
-@pytest.mark.parametrize("blocks", [1, 8, 132])
-def test_round_trip_exact_with_concurrent_writer(layers: int, chunk: int, blocks: int) -> None:
-    rng = np.random.default_rng(layers * 1000 + blocks)
+@pytest.mark.parametrize("layers,segment", [(1, 4096), (1, 16 << 10), (61, 272), (7, 1024), (3, 16)])
+@pytest.mark.parametrize("ctas", [1, 8, 132])
+def test_round_trip_exact_with_concurrent_writer(layers: int, segment: int, ctas: int) -> None:
+    rng = np.random.default_rng(layers * 1000 + ctas)
     num_blocks, slots, n = 96, 80, 40
-    pool, host = make(layers, chunk, num_blocks, slots, seed=blocks)
-    copier = PageCopier(pool[0] if layers == 1 else pool, host, blocks=blocks)
+    pool, host = make(layers, segment, num_blocks, slots, seed=ctas)
+    copier = PageCopier(pool[0] if layers == 1 else pool, host, ctas=ctas)
     hv = host_array(host)
     hv[:] = POISON
     before = [t.clone() for t in pool]
@@ -60,11 +63,12 @@ def test_round_trip_exact_with_concurrent_writer(layers: int, chunk: int, blocks
     torch.cuda.synchronize()
     written = np.zeros(slots, bool)
     written[hslots] = True
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], before_page(before, g)), f"slot {s} from block {g}"
     assert (hv[~written] == POISON).all()
-    for t, b in zip(pool, before):
-        assert torch.equal(t[torch.from_numpy(gids.astype(np.int64)).cuda()], b[torch.from_numpy(gids.astype(np.int64)).cuda()])
+    for t, b in zip(pool, before, strict=False):
+        idx = torch.from_numpy(gids.astype(np.int64)).cuda()
+        assert torch.equal(t[idx], b[idx])
         assert (t[other_idx] == OTHER).all()
 
     # Back the other way into poisoned blocks, from fresh random host bytes.
@@ -80,7 +84,7 @@ def test_round_trip_exact_with_concurrent_writer(layers: int, chunk: int, blocks
             t.index_fill_(0, rest_idx, OTHER)
     copier.to_gpu(src, dst)
     torch.cuda.synchronize()
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(gpu_page(pool, int(g)), hv[s])
     for t in pool:
         assert (t[rest_idx] == OTHER).all()
@@ -129,15 +133,15 @@ def test_states_use_the_page_first_path() -> None:
 
 def test_completion_queue_polls_in_order_without_blocking() -> None:
     pool, host = make(1, 1 << 20, 64, 64, seed=5)
-    copier = PageCopier(pool[0], host, blocks=2)
+    copier = PageCopier(pool[0], host, ctas=2)
     q = copier.completion_queue()
     assert isinstance(q, CompletionQueue)
     stream = torch.cuda.current_stream()
     torch.cuda._sleep(50_000_000)  # keep the stream busy so the first poll sees nothing complete
-    for token in range(4):
-        ids = np.arange(token * 16, token * 16 + 16, dtype=np.int32)
+    for ticket in range(4):
+        ids = np.arange(ticket * 16, ticket * 16 + 16, dtype=np.int32)
         copier.to_host(ids, ids, stream)
-        q.record(token, stream.cuda_stream)
+        q.record(ticket, stream.cuda_stream)
     assert q.poll() == []
     assert q.pending() == 4
     assert q.wait_all() == [0, 1, 2, 3]
@@ -150,7 +154,7 @@ def test_completion_queue_polls_in_order_without_blocking() -> None:
 def test_debug_sync_and_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_DEBUG_SYNC", "1")
     pool, host = make(2, 64, 8, 8, seed=9)
-    copier = PageCopier(pool, host, blocks=3, threads=128)
+    copier = PageCopier(pool, host, ctas=3, threads=128)
     copier.to_host([1, 2], [3, 4])  # waits for the stream inside
     assert np.array_equal(host_array(host)[4], gpu_page(pool, 2))
     with pytest.raises(ValueError, match="one device"):
@@ -167,14 +171,14 @@ def test_debug_sync_and_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     host.close()
 
 
-@pytest.mark.parametrize("layers,chunk", [(1, 16 << 10), (1, 80 << 10), (61, 272), (3, 16), (2, 40 << 10)])
-def test_round_trips_across_chunk_shapes(layers: int, chunk: int) -> None:
-    """Exact bytes both ways for chunks from one vector to several warp spans, and a batch longer than the
+@pytest.mark.parametrize("layers,segment", [(1, 16 << 10), (1, 80 << 10), (61, 272), (3, 16), (2, 40 << 10)])
+def test_round_trips_across_segment_shapes(layers: int, segment: int) -> None:
+    """Exact bytes both ways for segments from one vector to several warp spans, and a batch longer than the
     small-batch launch."""
-    rng = np.random.default_rng(layers * 100 + chunk)
+    rng = np.random.default_rng(layers * 100 + segment)
     num_blocks, slots, n = 300, 280, 200
-    pool, host = make(layers, chunk, num_blocks, slots, seed=layers)
-    copier = PageCopier(pool[0] if layers == 1 else pool, host, blocks=3)
+    pool, host = make(layers, segment, num_blocks, slots, seed=layers)
+    copier = PageCopier(pool[0] if layers == 1 else pool, host, ctas=3)
     hv = host_array(host)
     hv[:] = POISON
     gids = rng.choice(num_blocks, n, replace=False).astype(np.int32)
@@ -182,7 +186,7 @@ def test_round_trips_across_chunk_shapes(layers: int, chunk: int) -> None:
     copier.to_host(gids, hslots)
     torch.cuda.synchronize()
     before = [t.clone() for t in pool]
-    for g, s in zip(gids, hslots):
+    for g, s in zip(gids, hslots, strict=False):
         assert np.array_equal(hv[s], gpu_page(before, int(g)))
     written = np.zeros(slots, bool)
     written[hslots] = True
@@ -194,7 +198,7 @@ def test_round_trips_across_chunk_shapes(layers: int, chunk: int) -> None:
     src = rng.choice(slots, n, replace=False).astype(np.int32)
     copier.to_gpu(src, dst)
     torch.cuda.synchronize()
-    for s, g in zip(src, dst):
+    for s, g in zip(src, dst, strict=False):
         assert np.array_equal(gpu_page(pool, int(g)), hv[s])
     untouched = np.setdiff1d(np.arange(num_blocks), dst)
     for t in pool:

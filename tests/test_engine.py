@@ -6,10 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-
 from kvtier.engine import Engine, EngineConfig, Sequence
 
-TINY = EngineConfig.preset("tiny", num_gpu_blocks=32, num_state_slots=4, chunk_size=32)
+TINY = EngineConfig.preset("tiny", num_gpu_blocks=32, num_state_rings=4, chunk_size=32)
 
 PREFIX = [(7 * i + 3) % 512 for i in range(48)]
 PROMPT_A = PREFIX + [11, 22, 33, 44, 55]
@@ -28,7 +27,7 @@ def write_page(engine: Engine, block_id: int, page: torch.Tensor) -> None:
         engine.gpu_blocks[block_id].copy_(page)
         return
     for i, layer in enumerate(engine.gpu_layers):
-        layer[block_id].copy_(page[i * engine.block_bytes_per_layer:(i + 1) * engine.block_bytes_per_layer])
+        layer[block_id].copy_(page[i * engine.block_bytes_per_layer : (i + 1) * engine.block_bytes_per_layer])
 
 
 class FakeCache:
@@ -60,7 +59,7 @@ class FakeCache:
             return 0
         limit = (len(prompt_ids) - 1) // self.bs * self.bs
         hit = 0
-        while hit + self.bs <= limit and tuple(prompt_ids[:hit + self.bs]) in self.pages:
+        while hit + self.bs <= limit and tuple(prompt_ids[: hit + self.bs]) in self.pages:
             hit += self.bs
         if self.engine.state_bytes:
             while hit > 0 and tuple(prompt_ids[:hit]) not in self.states:
@@ -70,7 +69,7 @@ class FakeCache:
         if not self.engine.scheduler.try_allocate_seq(seq):
             return -1
         for i in range(hit // self.bs):
-            write_page(self.engine, seq.block_table[i], self.pages[tuple(prompt_ids[:(i + 1) * self.bs])])
+            write_page(self.engine, seq.block_table[i], self.pages[tuple(prompt_ids[: (i + 1) * self.bs])])
         if self.engine.state_bytes:
             self.engine.load_state(seq, hit, self.states[tuple(prompt_ids[:hit])])
         seq.num_cached_tokens = seq.cached_hit_tokens = hit
@@ -85,7 +84,7 @@ class FakeCache:
             n = len(prompt)
             pages = [read_page(self.engine, seq.block_table[i]) for i in range(n // self.bs)]
             for i, page in enumerate(pages):
-                self.pages.setdefault(tuple(prompt[:(i + 1) * self.bs]), page)
+                self.pages.setdefault(tuple(prompt[: (i + 1) * self.bs]), page)
             window = None
             if self.engine.state_bytes:
                 first = max(self.bs, -(-(n - self.engine.ring_slack) // self.bs) * self.bs)
@@ -109,7 +108,7 @@ class FakeCache:
 
 def assert_same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         assert torch.equal(x, y)
 
 
@@ -165,13 +164,16 @@ def test_chunked_prefill_matches_unchunked(chunk_size: int) -> None:
     assert_same_bytes(rec_chunked.final_pages["r"], rec_whole.final_pages["r"])
 
 
-@pytest.mark.parametrize(("layout", "pattern", "prefix_len", "first_max_new"), [
-    ("page-first", "FS", 48, 4),
-    ("layer-first", "FS", 48, 1),
-    ("page-first", "SF", 20, 3),
-    ("layer-first", "F", 48, 2),
-    ("page-first", "FSS", 33, 2),
-])
+@pytest.mark.parametrize(
+    ("layout", "pattern", "prefix_len", "first_max_new"),
+    [
+        ("page-first", "FS", 48, 4),
+        ("layer-first", "FS", 48, 1),
+        ("page-first", "SF", 20, 3),
+        ("layer-first", "F", 48, 2),
+        ("page-first", "FSS", 33, 2),
+    ],
+)
 def test_resume_from_cache_is_exact(layout: str, pattern: str, prefix_len: int, first_max_new: int) -> None:
     config = dataclasses.replace(TINY, layout=layout, layer_pattern=pattern, num_layers=len(pattern) + 1)
     prefix = PREFIX[:prefix_len]
@@ -222,7 +224,7 @@ def test_allocator_exhaustion_makes_requests_wait() -> None:
 
 
 def test_state_slots_run_out_too() -> None:
-    config = dataclasses.replace(TINY, num_state_slots=1)
+    config = dataclasses.replace(TINY, num_state_rings=1)
     prompts = {"a": PROMPT_A, "b": PROMPT_B}
     engine = Engine(config)
     for rid, prompt in prompts.items():
@@ -271,7 +273,7 @@ def test_state_kernels_validate() -> None:
     engine = Engine(TINY)
     seq = engine.add_request("a", PROMPT_B, 4)
     staging = torch.empty(engine.state_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no state slot"):
+    with pytest.raises(ValueError, match="no state ring"):
         engine.select_state(seq, 16, staging)
     engine.step()  # prefills 32 tokens
     assert seq.num_computed_tokens == 32
@@ -322,19 +324,22 @@ def test_request_that_never_fits() -> None:
         engine.scheduler.try_allocate_seq(Sequence("b", PROMPT_B, 6))
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("layout", "row-major"),
-    ("dtype", "float64"),
-    ("layer_pattern", "FX"),
-    ("layer_pattern", "S"),
-    ("block_size", 0),
-    ("chunk_size", 24),
-    ("head_dim", 31),
-    ("num_gpu_blocks", -3),
-    ("device", "tpu"),
-    ("ring_slack", -1),
-    ("window", 1.5),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layout", "row-major"),
+        ("dtype", "float64"),
+        ("layer_pattern", "FX"),
+        ("layer_pattern", "S"),
+        ("block_size", 0),
+        ("chunk_size", 24),
+        ("head_dim", 31),
+        ("num_gpu_blocks", -3),
+        ("device", "tpu"),
+        ("ring_slack", -1),
+        ("window", 1.5),
+    ],
+)
 def test_bad_config_names_the_value(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=repr(value).replace("[", r"\[").replace(".", r"\.")):
         dataclasses.replace(TINY, **{field: value})
@@ -361,8 +366,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["page-first", "layer-first"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resume_from_cache_is_exact_on_gpu(layout: str, dtype: str) -> None:
-    config = EngineConfig.preset("small", device="cuda", layout=layout, dtype=dtype, num_gpu_blocks=64,
-                                 num_state_slots=4)
+    config = EngineConfig.preset(
+        "small", device="cuda", layout=layout, dtype=dtype, num_gpu_blocks=64, num_state_rings=4
+    )
     prompt_b = PREFIX * 3 + [9, 8, 7]
     expected, oracle = run_one(config, prompt_b, 8)
     engine = Engine(config)

@@ -2,8 +2,10 @@
 
 It keeps KV pages (and per-sequence states) in host memory after the GPU pool dropped them and copies them back
 on a later prompt with the same prefix. Bookkeeping is the Rust ``Index``; bytes move through ``PageCopier`` on
-the engine's current CUDA stream (or with memcpy when the pools are CPU tensors), and completion is tracked with
-events that ``poll()`` retires without blocking.
+kvtier's own copy streams, ordered with the engine's stream by CUDA events (``kvtier.transfer``; or on the engine's
+stream with ``copy_streams=False``; memcpy when the pools are CPU tensors), and completion is tracked with events
+that ``poll()`` retires without blocking. Engines that rewrite blocks call ``release(blocks)`` or ``forget`` first,
+and with ``layerwise_loads`` call ``wait_layer(l)`` before layer l reads its KV.
 
 Engine-loop calls never wait for the GPU or for pinning memory: the host pools are reserved at the first store
 and pinned in pin steps on a background thread; stores use the slots pinned so far (a store that finds none is
@@ -32,6 +34,7 @@ import torch
 from kvtier import Index, StaleLookupError
 from kvtier.copy import HostPool, PageCopier
 from kvtier.settings import CacheSettings, check_fits
+from kvtier.transfer import Transfers
 
 log = logging.getLogger("kvtier")
 
@@ -213,16 +216,19 @@ class HostPrefixCache:
         self._lock = threading.Lock()
         # The host pools are address space only until they grow (at the first store, or now with preallocate);
         # building the copiers here checks the GPU pool (dtype, shapes, alignment) before anything is stored.
-        self._host_pages = HostPool(self.page_slots, self.page_bytes, chunk_bytes=s.pin_step_bytes)
-        self._copy_pages = PageCopier(pages, self._host_pages)
+        self._host_pages = HostPool(self.page_slots, self.page_bytes, step_bytes=s.pin_step_bytes)
+        self._copy_pages = PageCopier(
+            pages, self._host_pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes
+        )
         self._host_states: HostPool | None = None
         self._copy_states: PageCopier | None = None
         self._staging: torch.Tensor | None = None
         if state_slots:
-            self._host_states = HostPool(state_slots, self.state_bytes, chunk_bytes=s.pin_step_bytes)
+            self._host_states = HostPool(state_slots, self.state_bytes, step_bytes=s.pin_step_bytes)
             self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
             self._copy_states = PageCopier(self._staging, self._host_states)
-        self._completions = self._copy_pages.completion_queue()
+        # The copy streams and their ordering with the engine's stream (kvtier.transfer).
+        self.transfers = Transfers(self._copy_pages, copy_streams=s.copy_streams, layerwise_loads=s.layerwise_loads)
         self._grower: threading.Thread | None = None
         self._closing = threading.Event()
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
@@ -254,7 +260,7 @@ class HostPrefixCache:
         try:
             for pool in pools:
                 while not self._closing.is_set() and pool.usable_slots < pool.slots:
-                    pool.grow_chunk()
+                    pool.grow_step()
                     self.index.grow(self._usable(self._host_pages), self._usable(self._host_states))
         except Exception as e:  # noqa: BLE001 - the cache keeps serving from what is pinned
             self._error("pin", e)
@@ -357,13 +363,13 @@ class HostPrefixCache:
             self._count("stale_lookups")  # an L3 fetch evicted the pages since the lookup: a miss
             return 0
         try:
+            self.transfers.load_pages(plan.page_slots, ids)
             stream = self._stream()
-            self._copy_pages.to_gpu(plan.page_slots, ids, stream)
             if plan.state_slot is not None:
                 assert self._copy_states is not None and self._staging is not None and self._load_state
                 self._copy_states.to_gpu(np.array([plan.state_slot], np.int32), np.zeros(1, np.int32), stream)
                 self._load_state(state, hit, self._staging[0])
-            self._completions.record(plan.ticket, stream)
+            self.transfers.finish(plan.ticket, store=False, engine_work=plan.state_slot is not None)
         except BaseException:
             self.index.abort(plan.ticket)
             raise
@@ -403,7 +409,7 @@ class HostPrefixCache:
             stream = self._stream()
             if len(plan.page_slots):
                 assert plan.src_blocks is not None
-                self._copy_pages.to_host(plan.src_blocks, plan.page_slots, stream)
+                self.transfers.store_pages(plan.src_blocks, plan.page_slots, request_id)
             if len(plan.state_slots):
                 assert self._copy_states is not None and self._staging is not None and self._select_state
                 per_round = len(self._staging)
@@ -414,7 +420,7 @@ class HostPrefixCache:
                         self._select_state(state, b, self._staging[j])
                     n = len(bounds[part])
                     self._copy_states.to_host(np.arange(n, dtype=np.int32), slots[part], stream)
-            self._completions.record(plan.ticket, stream)
+            self.transfers.finish(plan.ticket, store=True, engine_work=len(plan.state_slots) > 0)
         except BaseException:
             self.index.abort(plan.ticket)
             raise
@@ -439,16 +445,44 @@ class HostPrefixCache:
     @_guarded(None)
     def poll(self) -> None:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
-        for ticket in self._completions.poll():
+        for ticket in self.transfers.poll():
             ready = self.index.complete(ticket)
             if ready is not None and self._l3 is not None:
                 self._l3.put(ready)  # L3 write-behind of what the store made ready
 
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for the pages of pending
+        layer-wise loads of that layer. Cheap; a no-op without layer-wise loads and on the CPU."""
+        self._order("wait_layer", self.transfers.wait_layer, layer)
+
+    def wait_loads(self) -> None:
+        """``wait_layer`` for every layer."""
+        self._order("wait_loads", self.transfers.wait_loads)
+
+    def release(self, blocks: Sequence[int] | np.ndarray) -> None:
+        """Before the engine rewrites ``blocks`` (GPU block ids): its stream waits (GPU-side) for the pending
+        stores that read them. Cheap; a no-op without copy streams and on the CPU."""
+        self._order("release", self.transfers.release, blocks)
+
+    def _order(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Runs a GPU-side ordering call under the failure policy. If it fails, the host waits for the device
+        instead, so the engine never reads a block early nor rewrites one a store still reads."""
+        try:
+            fn(*args)
+        except CALLER_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
+            self._error(what, e)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
     def forget(self, request_id: str) -> None:
-        """The request is gone: drop its cached chain (call it for every request, hit or not). Runs even when the
-        cache disabled itself, so that no chain is kept."""
+        """The request is gone: drop its cached chain (call it for every request, hit or not); the engine's stream
+        waits (GPU-side) for the request's pending stores, so its blocks may be reused. Runs even when the cache
+        disabled itself, so that no chain is kept."""
         _check_call(request_id, None)
         try:
+            self.transfers.forget(request_id)
             self.index.forget(request_id)
             if self._l3 is not None:
                 self._l3.forget(request_id)
@@ -468,7 +502,7 @@ class HostPrefixCache:
         out["host_bytes_pinned"] = (
             self._usable(self._host_pages) * self.page_bytes + self._usable(self._host_states) * self.state_bytes
         )
-        out["copies_in_flight"] = self._completions.pending()
+        out["copies_in_flight"] = self.transfers.pending()
         with self._lock:
             out.update(self._counts)
         if self._l3 is not None:
@@ -483,7 +517,7 @@ class HostPrefixCache:
         self._closing.set()
         if self._grower is not None:
             self._grower.join()
-        for ticket in self._completions.wait_all():
+        for ticket in self.transfers.wait_all():
             self.index.complete(ticket)
         if self._l3 is not None and not self._l3.close():
             # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.

@@ -1,4 +1,4 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,l3,pin}`, `kvtier soak`, `kvtier info`.
+"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,overlap,l3,pin}`, `kvtier soak`, `kvtier info`.
 
 Also the argument parsing every subcommand shares: `parser()` shows each option's default in `--help` and ends a
 bad option in one line and exit status 2; `at_least`, `at_most` and `between` check numbers before any work runs.
@@ -21,12 +21,14 @@ COMMANDS = {
     "bench copy": "kvtier.bench.copy",
     "bench l3": "kvtier.bench.l3",
     "bench pin": "kvtier.bench.pin",
+    "bench overlap": "kvtier.bench.overlap",
     "soak": "kvtier.soak",
 }
 
 BENCHMARKS = {
     "index": "the Rust index against plain-Python bookkeeping on one trace",
-    "copy": "the page-copy kernel against contiguous memcpy (needs CUDA)",
+    "copy": "the copy kernel and the copy engine against contiguous memcpy, and their cost to a GEMM (needs CUDA)",
+    "overlap": "time to first token with whole and layer-wise loads; decode while a store streams (needs CUDA)",
     "l3": "the L3 tier against raw Mooncake Store calls",
     "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
 }

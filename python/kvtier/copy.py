@@ -1,15 +1,16 @@
 """Page copies between an engine's GPU KV pool and a host pool: the torch front end of the Rust copy path.
 
 A GPU pool is either one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of uint8 tensors
-``[num_blocks, chunk_bytes]``, one per layer (layer-first; a page is one chunk of each). A state pool is a
-page-first pool of ``[num_states, state_bytes]``. The host page is contiguous, the layer chunks back to back.
+``[num_blocks, segment_bytes]``, one per layer (layer-first; a page is one segment of each). A state pool is a
+page-first pool of ``[num_states, state_bytes]``. The host page is contiguous, the layer segments back to back.
 
-On a CUDA pool, ``to_host``/``to_gpu`` launch one kernel on the given stream (torch's current stream by default)
-and return at once; record a token in a :class:`CompletionQueue` after them and poll it from the engine loop. On a
-CPU pool they copy with a multi-threaded memcpy and are complete on return. Every argument is checked before
-anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device, alignment,
-id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message). ``KVTIER_DEBUG_SYNC=1`` makes every
-launch wait for its stream and report the kernel's own error.
+On a CUDA pool, ``to_host``/``to_gpu`` enqueue the batch on the given stream (torch's current stream by default) and
+return at once, by the copy kernel or the copy engine (``method``: "auto" takes the copy engine for pieces of at
+least ``crossover_bytes``, see docs/PERFORMANCE.md); record a ticket in a :class:`CompletionQueue` after them and
+poll it from the engine loop. On a CPU pool they copy with a multi-threaded memcpy and are complete on return. Every
+argument is checked before anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong
+shape, device, alignment, id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message).
+``KVTIER_DEBUG_SYNC=1`` makes every launch wait for its stream and report the kernel's own error.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier._core import CompletionQueue, CopyError, HostPool
+from kvtier._core import CompletionQueue, CopyError, CopyEvent, CopyStream, HostPool, dma_supported
 from kvtier._core import PageCopier as _CorePageCopier
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompletionQueue", "CopyError", "HostPool", "PageCopier", "host_array"]
+__all__ = ["METHODS", "CompletionQueue", "CopyError", "CopyEvent", "CopyStream", "HostPool", "PageCopier",
+           "dma_supported", "host_array"]  # fmt: skip
+
+METHODS = ("auto", "kernel", "dma")
 
 
 def host_array(pool: HostPool) -> np.ndarray:
@@ -54,9 +58,12 @@ def _ids(ids: Any, what: str) -> Any:
 class PageCopier:
     """Copies pages between a GPU pool (torch tensors) and a :class:`HostPool` whose slot_bytes is the page size.
 
-    ``blocks`` bounds the kernel's grid (default 8, see docs/PERFORMANCE.md) so copies leave the SMs to the model;
-    ``threads`` is the block size (default 512). The copier holds references to the pool tensors and the host pool,
-    so their memory lives as long as it does; the caller keeps it (or them) alive until its last copy completes.
+    ``ctas`` bounds the kernel's grid of CUDA thread blocks (default 8, see docs/PERFORMANCE.md) so copies leave
+    the SMs to the model; ``threads`` is the CTA size (default 512). ``method`` is "auto" (default), "kernel" or
+    "dma"; the copy engine is never used on the legacy default stream, which it refuses, nor where the driver lacks
+    ``cudaMemcpyBatchAsync`` (``dma_available``): the kernel copies instead. The copier holds references to the pool
+    tensors and the host pool, so their memory lives as long as it does; the caller keeps it (or them) alive until
+    its last copy completes.
     """
 
     def __init__(
@@ -64,8 +71,10 @@ class PageCopier:
         gpu_pool: torch.Tensor | Sequence[torch.Tensor],
         host: HostPool,
         *,
-        blocks: int | None = None,
+        ctas: int | None = None,
         threads: int | None = None,
+        method: str = "auto",
+        crossover_bytes: int | None = None,
     ) -> None:
         import torch
 
@@ -87,14 +96,19 @@ class PageCopier:
             if t.shape != tensors[0].shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
             if t.device != tensors[0].device:
-                raise ValueError(f"all layer tensors must be on one device: {name} is on {t.device}, "
-                                 f"layer 0 on {tensors[0].device}")
+                raise ValueError(
+                    f"all layer tensors must be on one device: {name} is on {t.device}, layer 0 on {tensors[0].device}"
+                )
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(host, HostPool):
             raise TypeError(f"host must be a kvtier HostPool, got {type(host).__name__}")
         dev = tensors[0].device
         self.device: torch.device = dev
-        self._cuda_index = None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
-        num_blocks, chunk_bytes = tensors[0].shape
+        self._cuda_index = (
+            None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
+        )
+        num_blocks, segment_bytes = tensors[0].shape
         # SAFETY (for the ints passed below): self._tensors and self._host keep the memory alive for the life of
         # this object; the core copier itself only holds raw addresses and the host pool.
         self._tensors = tensors
@@ -103,11 +117,13 @@ class PageCopier:
             [t.data_ptr() for t in tensors],
             [t.stride(0) for t in tensors],
             num_blocks,
-            chunk_bytes,
+            segment_bytes,
             self._cuda_index,
             host,
-            blocks=blocks,
+            ctas=ctas,
             threads=threads,
+            method=method,
+            crossover_bytes=crossover_bytes,
         )
 
     @property
@@ -127,8 +143,25 @@ class PageCopier:
         return self._core.num_blocks
 
     @property
-    def blocks(self) -> int:
-        return self._core.blocks
+    def ctas(self) -> int:
+        return self._core.ctas
+
+    @property
+    def method(self) -> str:
+        return self._core.method
+
+    @property
+    def crossover_bytes(self) -> int:
+        return self._core.crossover_bytes
+
+    @property
+    def dma_available(self) -> bool:
+        return self._core.dma_available
+
+    @property
+    def cuda_index(self) -> int | None:
+        """The CUDA device index of the pool, None for a CPU pool."""
+        return self._cuda_index
 
     @property
     def threads(self) -> int:
@@ -146,18 +179,23 @@ class PageCopier:
             return stream
         return int(stream.cuda_stream)
 
-    def to_host(self, gpu_ids: Any, host_slots: Any, stream: Any = None) -> None:
-        """Copy GPU blocks ``gpu_ids[i]`` into host slots ``host_slots[i]`` (int32 ids)."""
-        self._core.to_host(_ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream))
+    def to_host(self, gpu_ids: Any, host_slots: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
+        """Copy GPU blocks ``gpu_ids[i]`` into host slots ``host_slots[i]`` (int32 ids); ``layers=(a, b)``: only
+        the segments of layers a..b-1. Returns what carried it: "kernel", "dma" or "memcpy"."""
+        return self._core.to_host(_ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream),
+                                  layers)  # fmt: skip
 
-    def to_gpu(self, host_slots: Any, gpu_ids: Any, stream: Any = None) -> None:
-        """Copy host slots ``host_slots[i]`` into GPU blocks ``gpu_ids[i]`` (int32 ids)."""
-        self._core.to_gpu(_ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream))
+    def to_gpu(self, host_slots: Any, gpu_ids: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
+        """Copy host slots ``host_slots[i]`` into GPU blocks ``gpu_ids[i]`` (int32 ids); see ``to_host``."""
+        return self._core.to_gpu(_ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream),
+                                 layers)  # fmt: skip
 
     def completion_queue(self) -> CompletionQueue:
         """A completion queue for this copier's device (a CPU queue for a CPU pool)."""
         return CompletionQueue(self._cuda_index)
 
     def __repr__(self) -> str:
-        return (f"PageCopier(device={self.device}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
-                f"page_bytes={self.page_bytes}, blocks={self.blocks}, threads={self.threads})")
+        return (
+            f"PageCopier(device={self.device}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"page_bytes={self.page_bytes}, ctas={self.ctas}, threads={self.threads}, method={self.method!r})"
+        )

@@ -3,7 +3,8 @@
     cache = Cache(engine, size_bytes=64 << 30, num_state_slots=4096)
     hit = cache.try_resume(seq, request_id, prompt_ids)   # b > 0 cached tokens, 0 miss, -1 retry later
     cache.on_prefill_step(scheduled, finished)            # write-through store of finished prompts
-    cache.poll(); cache.forget(request_id); cache.stats_dict()
+    cache.poll(); cache.release(block_table); cache.forget(request_id); cache.stats_dict()
+    cache.wait_layer(layer)                               # with layerwise_loads, before layer l reads its KV
 
 What it needs from the engine: ``engine.cache_config.block_size``; the GPU pools ``engine.gpu_blocks``
 (page-first) or ``engine.gpu_layers`` (layer-first), ``engine.gpu_states`` and ``engine.state_bytes`` when the
@@ -164,6 +165,18 @@ class Cache:
 
     def poll(self) -> None:
         self.cache.poll()
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for layer-wise loads."""
+        self.cache.wait_layer(layer)
+
+    def release(self, blocks: Any) -> None:
+        """Before GPU ``blocks`` are rewritten: the engine's stream waits (GPU-side) for stores still reading
+        them."""
+        try:
+            self.cache.release(blocks)
+        except Exception as e:  # noqa: BLE001
+            self.cache._error("release", e)
 
     def forget(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)

@@ -201,6 +201,16 @@ REGISTRY: tuple[Setting, ...] = (
     S("l3_group_pages", INT, 4, "pages per L3 object", minimum=1, maximum=4096),
     S("l3_deadline_ms", FLOAT, 50.0, "how long a request waits for an L3 fetch", minimum=0),
     S("l3_seen_keys", INT, 1 << 20, "L3 keys remembered as already in the Store", minimum=1, maximum=INT32_MAX),
+    S(
+        "copy_method",
+        TEXT,
+        "auto",
+        "`auto`: the copy engine for pieces >= copy_crossover_bytes, the kernel below; `kernel`; `dma`",
+        choices=("auto", "kernel", "dma"),
+    ),
+    S("copy_crossover_bytes", BYTES, 64 << 10, "piece size from which `auto` takes the copy engine", minimum=16),
+    S("copy_streams", BOOL, True, "copies on kvtier's own streams ordered by events; false: on the engine's stream"),
+    S("layerwise_loads", BOOL, False, "loads issued layer by layer; the engine calls `wait_layer(l)` before layer l"),
 )
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in REGISTRY}
 _OLD_NAMES = {old: s for s in REGISTRY for old in s.old_names}

@@ -1,5 +1,5 @@
 //! Python classes of the copy path: `HostPool`, `PageCopier` (raw pointers as ints; python/kvtier/copy.py builds
-//! it from torch tensors) and `CompletionQueue`.
+//! it from torch tensors), `CompletionQueue`, and the copy streams' `CopyStream` and `CopyEvent`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
@@ -7,18 +7,22 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{int32s, non_negative, to_py};
-use crate::copy::{self, CompletionQueue, GpuPool, PageCopier};
-use crate::cuda::Layer;
+use crate::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
+use crate::cuda::{self, Event, Layer, Stream};
 use crate::hostmem::{self, HostPool};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
     m.add_class::<PyPageCopier>()?;
     m.add_class::<PyCompletionQueue>()?;
+    m.add_class::<PyCopyStream>()?;
+    m.add_class::<PyCopyEvent>()?;
+    m.add_function(wrap_pyfunction!(dma_supported, m)?)?;
     Ok(())
 }
 
-/// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned chunk by chunk.
+/// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
+/// (`step_bytes`) at a time. `chunk_bytes` and `grow_chunk` are deprecated names of `step_bytes` and `grow_step`.
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
@@ -27,12 +31,25 @@ pub struct PyHostPool {
 #[pymethods]
 impl PyHostPool {
     #[new]
-    #[pyo3(signature = (slots, slot_bytes, *, chunk_bytes = hostmem::DEFAULT_CHUNK_BYTES as i64, pin = None))]
-    fn new(slots: i64, slot_bytes: i64, chunk_bytes: i64, pin: Option<bool>) -> PyResult<Self> {
+    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None, chunk_bytes = None))]
+    fn new(
+        slots: i64,
+        slot_bytes: i64,
+        step_bytes: Option<i64>,
+        pin: Option<bool>,
+        chunk_bytes: Option<i64>,
+    ) -> PyResult<Self> {
+        let step_bytes = match (step_bytes, chunk_bytes) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err("give step_bytes or its old name chunk_bytes, not both"));
+            }
+            (Some(b), None) | (None, Some(b)) => b,
+            (None, None) => hostmem::DEFAULT_STEP_BYTES as i64,
+        };
         let pool = HostPool::new(
             non_negative("slots", slots)?,
             non_negative("slot_bytes", slot_bytes)?,
-            non_negative("chunk_bytes", chunk_bytes)?,
+            non_negative("step_bytes", step_bytes)?,
             pin,
         )
         .map_err(to_py)?;
@@ -50,8 +67,14 @@ impl PyHostPool {
     }
 
     #[getter]
+    fn step_bytes(&self) -> u64 {
+        self.inner.step_bytes()
+    }
+
+    /// Deprecated name of `step_bytes`.
+    #[getter]
     fn chunk_bytes(&self) -> u64 {
-        self.inner.chunk_bytes()
+        self.inner.step_bytes()
     }
 
     #[getter]
@@ -74,9 +97,14 @@ impl PyHostPool {
         self.inner.backed_bytes()
     }
 
-    /// Back and pin the next chunk (the GIL is released meanwhile); returns usable_slots after it.
+    /// Back and pin the next pin step (the GIL is released meanwhile); returns usable_slots after it.
+    fn grow_step(&self, py: Python<'_>) -> PyResult<u32> {
+        py.detach(|| self.inner.grow_step()).map_err(to_py)
+    }
+
+    /// Deprecated name of `grow_step`.
     fn grow_chunk(&self, py: Python<'_>) -> PyResult<u32> {
-        py.detach(|| self.inner.grow_chunk()).map_err(to_py)
+        self.grow_step(py)
     }
 
     /// Grow until at least `slots` slots are usable (or the pool is full); returns usable_slots.
@@ -122,17 +150,20 @@ pub struct PyPageCopier {
 #[pymethods]
 impl PyPageCopier {
     #[new]
-    #[pyo3(signature = (layer_ptrs, layer_strides, num_blocks, chunk_bytes, device, host, *, blocks = None, threads = None))]
+    #[pyo3(signature = (layer_ptrs, layer_strides, num_blocks, segment_bytes, device, host, *, ctas = None, threads = None,
+                        method = "auto", crossover_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layer_ptrs: Vec<u64>,
         layer_strides: Vec<i64>,
         num_blocks: i64,
-        chunk_bytes: i64,
+        segment_bytes: i64,
         device: Option<i64>,
         host: &Bound<'_, PyHostPool>,
-        blocks: Option<i64>,
+        ctas: Option<i64>,
         threads: Option<i64>,
+        method: &str,
+        crossover_bytes: Option<i64>,
     ) -> PyResult<Self> {
         if layer_ptrs.len() != layer_strides.len() {
             return Err(PyValueError::new_err(format!(
@@ -149,46 +180,74 @@ impl PyPageCopier {
         let pool = GpuPool {
             layers,
             num_blocks: non_negative("num_blocks", num_blocks)?,
-            chunk_bytes: non_negative("chunk_bytes", chunk_bytes)?,
+            segment_bytes: non_negative("segment_bytes", segment_bytes)?,
             device: device.map(|d| non_negative("device", d)).transpose()?,
         };
-        let blocks = blocks.map_or(Ok(copy::DEFAULT_BLOCKS), |b| non_negative("blocks", b))?;
-        let threads = threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?;
-        let debug_sync = std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1");
+        let opts = CopyOptions {
+            ctas: ctas.map_or(Ok(copy::DEFAULT_CTAS), |b| non_negative("ctas", b))?,
+            threads: threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?,
+            method: Method::parse(method).map_err(to_py)?,
+            crossover_bytes: crossover_bytes
+                .map_or(Ok(copy::DEFAULT_CROSSOVER_BYTES), |c| non_negative("crossover_bytes", c))?,
+            debug_sync: std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1"),
+        };
         // SAFETY: the pointers come from tensors that kvtier.copy.PageCopier holds for this object's whole life
         // (and the caller keeps them until the last copy completes); the HostPool's memory is kept by the Arc.
-        let inner = unsafe { PageCopier::new(pool, Arc::clone(&host.get().inner), blocks, threads, debug_sync) }
-            .map_err(to_py)?;
+        let inner = unsafe { PageCopier::new(pool, Arc::clone(&host.get().inner), opts) }.map_err(to_py)?;
         Ok(Self { inner })
     }
 
     /// GPU blocks -> host slots; launched on `stream` (a raw cudaStream_t) without waiting, or copied before
-    /// returning on a CPU pool.
-    #[pyo3(signature = (gpu_ids, host_slots, stream = 0))]
-    fn to_host(&self, py: Python<'_>, gpu_ids: &Bound<'_, PyAny>, host_slots: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
-        let g = int32s(gpu_ids, "gpu_ids")?;
-        let h = int32s(host_slots, "host_slots")?;
-        let (g, h) = (g.as_slice(), h.as_slice());
-        py.detach(|| self.inner.to_host(g, h, stream)).map_err(to_py)
+    /// returning on a CPU pool. `layers` (start, end) copies those layers' segments only. Returns what carried the
+    /// batch: "kernel", "dma" or "memcpy".
+    #[pyo3(signature = (gpu_ids, host_slots, stream = 0, layers = None))]
+    fn to_host(
+        &self,
+        py: Python<'_>,
+        gpu_ids: &Bound<'_, PyAny>,
+        host_slots: &Bound<'_, PyAny>,
+        stream: u64,
+        layers: Option<(i64, i64)>,
+    ) -> PyResult<&'static str> {
+        self.copy(py, Direction::ToHost, gpu_ids, host_slots, stream, layers)
     }
 
     /// Host slots -> GPU blocks; see `to_host`.
-    #[pyo3(signature = (host_slots, gpu_ids, stream = 0))]
-    fn to_gpu(&self, py: Python<'_>, host_slots: &Bound<'_, PyAny>, gpu_ids: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
-        let h = int32s(host_slots, "host_slots")?;
-        let g = int32s(gpu_ids, "gpu_ids")?;
-        let (g, h) = (g.as_slice(), h.as_slice());
-        py.detach(|| self.inner.to_gpu(h, g, stream)).map_err(to_py)
+    #[pyo3(signature = (host_slots, gpu_ids, stream = 0, layers = None))]
+    fn to_gpu(
+        &self,
+        py: Python<'_>,
+        host_slots: &Bound<'_, PyAny>,
+        gpu_ids: &Bound<'_, PyAny>,
+        stream: u64,
+        layers: Option<(i64, i64)>,
+    ) -> PyResult<&'static str> {
+        self.copy(py, Direction::ToGpu, gpu_ids, host_slots, stream, layers)
     }
 
     #[getter]
-    fn blocks(&self) -> u32 {
-        self.inner.blocks()
+    fn ctas(&self) -> u32 {
+        self.inner.options().ctas
     }
 
     #[getter]
     fn threads(&self) -> u32 {
-        self.inner.threads()
+        self.inner.options().threads
+    }
+
+    #[getter]
+    fn method(&self) -> &'static str {
+        self.inner.options().method.name()
+    }
+
+    #[getter]
+    fn crossover_bytes(&self) -> u64 {
+        self.inner.options().crossover_bytes
+    }
+
+    #[getter]
+    fn dma_available(&self) -> bool {
+        self.inner.dma_available()
     }
 
     #[getter]
@@ -212,7 +271,29 @@ impl PyPageCopier {
     }
 }
 
-/// Tokens of launched copies, completed in record order; `poll` never blocks.
+impl PyPageCopier {
+    fn copy(
+        &self,
+        py: Python<'_>,
+        dir: Direction,
+        gpu_ids: &Bound<'_, PyAny>,
+        host_slots: &Bound<'_, PyAny>,
+        stream: u64,
+        layers: Option<(i64, i64)>,
+    ) -> PyResult<&'static str> {
+        let g = int32s(gpu_ids, "gpu_ids")?;
+        let h = int32s(host_slots, "host_slots")?;
+        let n = self.inner.pool().layers.len();
+        let range = match layers {
+            None => 0..n,
+            Some((a, b)) => non_negative::<usize>("layers start", a)?..non_negative::<usize>("layers end", b)?,
+        };
+        let (g, h) = (g.as_slice(), h.as_slice());
+        py.detach(|| self.inner.copy(dir, g, h, stream, range)).map(|u| u.name()).map_err(to_py)
+    }
+}
+
+/// Tickets of launched copies, completed in record order; `poll` never blocks.
 #[pyclass(name = "CompletionQueue", module = "kvtier._core", frozen)]
 pub struct PyCompletionQueue {
     inner: Mutex<CompletionQueue>,
@@ -229,18 +310,20 @@ impl PyCompletionQueue {
     #[new]
     #[pyo3(signature = (device = None))]
     fn new(device: Option<i64>) -> PyResult<Self> {
-        let device = device.map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range")))).transpose()?;
+        let device = device
+            .map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range"))))
+            .transpose()?;
         Ok(Self { inner: Mutex::new(CompletionQueue::new(device).map_err(to_py)?) })
     }
 
-    /// Record `token` after the work launched so far on `stream` (a raw cudaStream_t; ignored for CPU queues).
-    #[pyo3(signature = (token, stream = 0))]
-    fn record(&self, token: i64, stream: u64) -> PyResult<()> {
-        let token = non_negative("token", token)?;
-        self.lock().record(token, stream).map_err(to_py)
+    /// Record `ticket` after the work launched so far on `stream` (a raw cudaStream_t; ignored for CPU queues).
+    #[pyo3(signature = (ticket, stream = 0))]
+    fn record(&self, ticket: i64, stream: u64) -> PyResult<()> {
+        let ticket = non_negative("ticket", ticket)?;
+        self.lock().record(ticket, stream).map_err(to_py)
     }
 
-    /// Tokens completed since the last poll, in record order, up to the first still running.
+    /// Tickets completed since the last poll, in record order, up to the first still running.
     fn poll(&self) -> PyResult<Vec<u64>> {
         self.lock().poll().map_err(to_py)
     }
@@ -249,8 +332,75 @@ impl PyCompletionQueue {
         self.lock().pending()
     }
 
-    /// Block (GIL released) until all recorded work has completed; returns the tokens not yet polled.
+    /// Block (GIL released) until all recorded work has completed; returns the tickets not yet polled.
     fn wait_all(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         py.detach(|| self.lock().wait_all()).map_err(to_py)
+    }
+}
+
+/// Whether the copy engine's batch copy (cudaMemcpyBatchAsync) is compiled in and the driver has it.
+#[pyfunction]
+fn dma_supported() -> bool {
+    cuda::dma_supported()
+}
+
+fn device_arg(device: i64) -> PyResult<i32> {
+    let count = cuda::device_count();
+    match i32::try_from(device) {
+        Ok(d) if (0..count).contains(&d) => Ok(d),
+        _ => Err(PyValueError::new_err(format!("device {device} is not a visible CUDA device ({count} visible)"))),
+    }
+}
+
+/// A non-blocking CUDA stream of one device, made by kvtier for its copies; destroyed with the object.
+#[pyclass(name = "CopyStream", module = "kvtier._core", frozen)]
+pub struct PyCopyStream {
+    inner: Stream,
+}
+
+#[pymethods]
+impl PyCopyStream {
+    #[new]
+    fn new(device: i64) -> PyResult<Self> {
+        Ok(Self { inner: Stream::new(device_arg(device)?).map_err(to_py)? })
+    }
+
+    /// The raw cudaStream_t.
+    #[getter]
+    fn handle(&self) -> u64 {
+        self.inner.handle()
+    }
+}
+
+/// A CUDA event (no timing) that orders streams on the GPU: `record(stream)`, then `wait_in(other)` makes the other
+/// stream's later work wait for what `stream` had before the record; the host never waits, except in `synchronize`.
+#[pyclass(name = "CopyEvent", module = "kvtier._core", frozen)]
+pub struct PyCopyEvent {
+    inner: Event,
+}
+
+#[pymethods]
+impl PyCopyEvent {
+    #[new]
+    fn new(device: i64) -> PyResult<Self> {
+        Ok(Self { inner: Event::new(device_arg(device)?).map_err(to_py)? })
+    }
+
+    fn record(&self, stream: u64) -> PyResult<()> {
+        self.inner.record(stream).map_err(to_py)
+    }
+
+    fn wait_in(&self, stream: u64) -> PyResult<()> {
+        self.inner.wait_in(stream).map_err(to_py)
+    }
+
+    /// Whether the recorded work has completed; never blocks.
+    fn done(&self) -> PyResult<bool> {
+        self.inner.done().map_err(to_py)
+    }
+
+    /// Block (GIL released) until the recorded work has completed.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.wait()).map_err(to_py)
     }
 }

@@ -1,10 +1,15 @@
-"""`kvtier bench copy`: the page-copy kernel against the contiguous cudaMemcpyAsync ceiling of the same run.
+"""`kvtier bench copy`: the copy kernel and the copy engine against the same run's contiguous memcpy, and what
+each costs the model.
 
-For each layout (page-first; layer-first with 61 layers, chunk = page / 61 rounded to 16 bytes), page size,
-direction (host->device, device->host, both at once on two streams) and grid size, copies a few hundred MB of pages
-with random ids and reports GB/s (1e9 bytes/s) next to a torch ``copy_`` of one pinned buffer of the same bytes.
-Also measures how fast a HostPool backs and pins memory. Run: ``kvtier bench copy [--json] [--plot FILE.png]`` or
-``python -m kvtier.bench.copy``.
+Rates: for each layout (page-first; layer-first with 61 layers, segment = page / 61 rounded to 16 bytes), page size,
+direction (host->device, device->host, both at once on two streams) and method (kernel, dma = the copy engine
+through one ``cudaMemcpyBatchAsync`` a batch, auto), copies pages with random ids (so no two pages make one
+contiguous piece) and reports GB/s (1e9 bytes/s) next to a ``copy_`` of one pinned buffer of the same bytes.
+
+Cost: a bf16 8192^3 GEMM loop's TFLOP/s alone and while pages stream at full rate in one direction, per method and
+page size, with the copy rate reached meanwhile.
+
+Run: ``kvtier bench copy [--json] [--plot FILE.png]`` or ``python -m kvtier.bench.copy``.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import numpy as np
 
 LAYERS = 61
 DIRECTIONS = ("h2d", "d2h", "both")
+METHODS = ("kernel", "dma", "auto")
 
 
 def _sizes(text: str) -> list[int]:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     out = []
-    for part in text.split(","):
-        p = part.strip().lower().removesuffix("ib").removesuffix("b")
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        p = part.lower().removesuffix("ib").removesuffix("b")
         out.append(int(float(p[:-1]) * units[p[-1]]) if p and p[-1] in units else int(p))
     return out
 
@@ -37,22 +43,38 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.cli import at_least, parser
 
     ap = parser("kvtier bench copy", __doc__.splitlines()[0])
-    ap.add_argument("--page-sizes", type=_sizes, default=_sizes("16K,64K,256K,1M,4M"), help="bytes per page")
-    ap.add_argument("--blocks", type=_ints, default=[2, 4, 8, 16, 0], help="grid sizes to try; 0 = one block per SM")
-    ap.add_argument("--threads", type=_ints, default=[512], help="threads per block to try")
-    ap.add_argument("--layouts", default="page,layer", help="page (page-first) and/or layer (layer-first)")
-    ap.add_argument("--directions", default=",".join(DIRECTIONS), help="h2d, d2h, both")
-    ap.add_argument("--mib", type=at_least(1), default=512, help="MiB moved per direction in one measurement")
+    ap.add_argument(
+        "--page-sizes", type=_sizes, default=_sizes("4K,16K,64K,128K,256K,512K,1M,4M,8M"), help="bytes per page"
+    )
+    ap.add_argument("--methods", type=_names, default=list(METHODS), help="kernel, dma, auto")
+    ap.add_argument("--ctas", type=_ints, default=[8], help="kernel grid sizes to try; 0 = one CTA per SM")
+    ap.add_argument("--threads", type=at_least(32), default=512, help="threads per CTA")
+    ap.add_argument("--crossover", type=_sizes, default=None, help="auto's crossover in bytes (default: built-in)")
+    ap.add_argument("--layouts", type=_names, default=["page", "layer"], help="page (page-first), layer (layer-first)")
+    ap.add_argument("--directions", type=_names, default=list(DIRECTIONS), help="h2d, d2h, both")
+    ap.add_argument("--mib", type=at_least(1), default=512, help="MiB moved per direction in one measurement (at most)")
+    ap.add_argument("--max-pieces", type=at_least(1), default=16384, help="fewer bytes for small pieces: at most this")
     ap.add_argument("--reps", type=at_least(1), default=7, help="timed repetitions (the median is reported)")
-    ap.add_argument("--pin-gib", type=at_least(0, float), default=4.0, help="GiB of HostPool to back and pin (0: skip)")
+    ap.add_argument(
+        "--gemm-sizes",
+        type=_sizes,
+        default=_sizes("64K,256K,1M,8M"),
+        help="page-first page sizes of the GEMM-cost runs (empty: skip)",
+    )
+    ap.add_argument("--gemm-iters", type=at_least(1), default=60, help="GEMMs a timed loop")
+    ap.add_argument("--pin-gib", type=at_least(0, float), default=0.0, help="GiB of HostPool to back and pin (0: skip)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     args = ap.parse_args(argv)
-    lists = (("page-sizes", args.page_sizes, 1), ("blocks", args.blocks, 0), ("threads", args.threads, 1))
+    lists = (("page-sizes", args.page_sizes, 1), ("ctas", args.ctas, 0), ("gemm-sizes", args.gemm_sizes or [1], 1))
     for name, values, low in lists:
         if not values or min(values) < low:
             ap.error(f"argument --{name}: every value must be >= {low}, got {values}")
@@ -66,7 +88,7 @@ class _Timer:
         self.torch = torch
         self.streams = streams
 
-    def run(self, work: Callable[[], None], reps: int) -> float:
+    def run(self, work: Callable[[], None], reps: int, sleep_cycles: int = 20_000_000) -> float:
         torch = self.torch
         main = self.streams[0]
         with torch.cuda.stream(main):
@@ -76,7 +98,7 @@ class _Timer:
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(main):
-                torch.cuda._sleep(20_000_000)  # ~10 ms: the launches below are all enqueued before start fires
+                torch.cuda._sleep(sleep_cycles)  # the launches below are all enqueued before start fires
                 start.record(main)
             for s in self.streams[1:]:
                 s.wait_event(start)
@@ -101,66 +123,72 @@ def _pin_rate(gib: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     while pool.usable_slots < pool.slots:
         s = time.perf_counter()
-        pool.grow_chunk()
+        pool.grow_step()
         steps.append(time.perf_counter() - s)
     total = time.perf_counter() - t0
     row = {
-        "layout": "hostpool",
-        "direction": "pin",
+        "kind": "pin",
         "gib": pool.slots * slot / (1 << 30),
         "seconds": total,
         "gibps": pool.slots * slot / (1 << 30) / total,
-        "chunk_bytes": pool.chunk_bytes,
-        "max_chunk_ms": max(steps) * 1e3,
+        "step_bytes": pool.step_bytes,
+        "max_step_ms": max(steps) * 1e3,
         "pinned": pool.pinned,
     }
     pool.close()
     return row
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import torch
+class _Pages:
+    """A GPU pool and a pinned host pool of 2n pages with random bytes; one half is read, the other written."""
 
-    from kvtier.copy import HostPool, PageCopier, host_array
+    def __init__(self, torch: Any, dev: Any, layers: int, segment: int, n: int, pinned: Any, rng: Any) -> None:
+        from kvtier.copy import HostPool, host_array
 
-    if not torch.cuda.is_available():
-        raise SystemExit("kvtier bench copy needs a CUDA device")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        page_bytes = segment * layers
+        self.pool = [torch.randint(0, 256, (2 * n, segment), dtype=torch.uint8, device=dev) for _ in range(layers)]
+        self.host = HostPool(2 * n, page_bytes)
+        self.host.grow_to(2 * n)
+        pinned[: 2 * n * page_bytes].copy_(torch.randint(0, 256, (2 * n * page_bytes,), dtype=torch.uint8, device=dev))
+        host_array(self.host).reshape(-1)[:] = pinned[: 2 * n * page_bytes].numpy()
+        gpu_perm = rng.permutation(2 * n).astype(np.int32)
+        host_perm = rng.permutation(2 * n).astype(np.int32)
+        self.g_out, self.g_in = gpu_perm[:n], gpu_perm[n:]
+        self.h_out, self.h_in = host_perm[:n], host_perm[n:]
+        self.layers = layers
+
+    def copier(self, **kw: Any) -> Any:
+        from kvtier.copy import PageCopier
+
+        return PageCopier(self.pool[0] if self.layers == 1 else self.pool, self.host, **kw)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any, rows: list[dict[str, Any]]) -> None:
     s_main, s_other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
+    flat = torch.empty(pinned.numel(), dtype=torch.uint8, device=dev)
+    half = pinned.numel() // 2
     rng = np.random.default_rng(0)
-    total = args.mib << 20
-    # The ceiling: one contiguous copy of the same bytes each way (two pinned halves, two device halves).
-    pinned = torch.empty(2 * total, dtype=torch.uint8).pin_memory()
-    flat = torch.empty(2 * total, dtype=torch.uint8, device=dev)
-    memcpy = {
-        "h2d": lambda: flat[:total].copy_(pinned[:total], non_blocking=True),
-        "d2h": lambda: pinned[total:].copy_(flat[total:], non_blocking=True),
-    }
-    rows: list[dict[str, Any]] = []
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    directions = [x.strip() for x in args.directions.split(",") if x.strip()]
-    for layout in layouts:
+    for layout in args.layouts:
         for page in args.page_sizes:
-            chunk = max(16, round(page / LAYERS / 16) * 16) if layout == "layer" else page
+            segment = max(16, round(page / LAYERS / 16) * 16) if layout == "layer" else page
             layers = LAYERS if layout == "layer" else 1
-            page_bytes = chunk * layers
+            page_bytes = segment * layers
+            total = min(args.mib << 20, args.max_pieces * segment, half)
             n = max(1, total // page_bytes)
-            # Pools of 2n pages: one half is read, the other written, so both directions can run at once.
-            pool = [torch.randint(0, 256, (2 * n, chunk), dtype=torch.uint8, device=dev) for _ in range(layers)]
-            host = HostPool(2 * n, page_bytes)
-            host.grow_to(2 * n)
-            # Random host bytes through the pinned buffer: a CUDA copy may not span two registered chunks.
-            pinned[: 2 * n * page_bytes].copy_(torch.randint(0, 256, (2 * n * page_bytes,), dtype=torch.uint8, device=dev))
-            host_array(host).reshape(-1)[:] = pinned[: 2 * n * page_bytes].numpy()
-            gpu_perm = rng.permutation(2 * n).astype(np.int32)
-            host_perm = rng.permutation(2 * n).astype(np.int32)
-            g_out, g_in = gpu_perm[:n], gpu_perm[n:]
-            h_out, h_in = host_perm[:n], host_perm[n:]
-            for d in directions:
+            total = n * page_bytes
+            pages = _Pages(torch, dev, layers, segment, n, pinned, rng)
+            memcpy = {
+                "h2d": lambda t=total: flat[:t].copy_(pinned[:t], non_blocking=True),
+                "d2h": lambda t=total: pinned[half : half + t].copy_(flat[half : half + t], non_blocking=True),
+            }
+            for d in args.directions:
                 if d == "both":
 
-                    def mc() -> None:
+                    def mc(memcpy: dict[str, Callable[..., Any]] = memcpy) -> None:
                         memcpy["d2h"]()
                         with torch.cuda.stream(s_other):
                             memcpy["h2d"]()
@@ -169,31 +197,38 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 streams = [s_main, s_other] if d == "both" else [s_main]
                 timer = _Timer(torch, streams)
                 t_mc = timer.run(mc, args.reps)
-                bytes_moved = (2 if d == "both" else 1) * n * page_bytes
-                memcpy_gbps = (2 if d == "both" else 1) * total / t_mc / 1e9
-                for threads, b in itertools.product(args.threads, args.blocks):
-                    blocks = b or sms
-                    c = PageCopier(pool[0] if layers == 1 else pool, host, blocks=blocks, threads=threads)
-                    h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
+                bytes_moved = (2 if d == "both" else 1) * total
+                memcpy_gbps = bytes_moved / t_mc / 1e9
+                for method, ctas in itertools.product(args.methods, args.ctas):
+                    if method == "dma" and ctas != args.ctas[0]:
+                        continue
+                    kw = {"crossover_bytes": args.crossover[0]} if args.crossover else {}
+                    c = pages.copier(ctas=ctas or sms, threads=args.threads, method=method, **kw)
+                    used: dict[str, str] = {}
 
-                    def work(c: PageCopier = c, d: str = d) -> None:
+                    def work(c: Any = c, d: str = d, used: dict[str, str] = used, pages: _Pages = pages) -> None:
                         if d in ("d2h", "both"):
-                            c.to_host(g_out, h_out, h_main)
+                            used["d2h"] = c.to_host(pages.g_out, pages.h_out, h_main)
                         if d == "h2d":
-                            c.to_gpu(h_in, g_in, h_main)
+                            used["h2d"] = c.to_gpu(pages.h_in, pages.g_in, h_main)
                         if d == "both":
-                            c.to_gpu(h_in, g_in, h_other)
+                            used["h2d"] = c.to_gpu(pages.h_in, pages.g_in, h_other)
 
-                    t = timer.run(work, args.reps)
+                    t0 = time.perf_counter()
+                    work()
+                    torch.cuda.synchronize()
+                    t = timer.run(work, args.reps, sleep_cycles=20_000_000 + int(4e9 * (time.perf_counter() - t0)))
                     gbps = bytes_moved / t / 1e9
                     row = {
+                        "kind": "rate",
                         "layout": "page-first" if layers == 1 else "layer-first",
                         "direction": d,
                         "page_bytes": page_bytes,
-                        "chunk_bytes": chunk,
+                        "piece_bytes": segment,
                         "layers": layers,
-                        "blocks": blocks,
-                        "threads": threads,
+                        "method": method,
+                        "used": "+".join(sorted(set(used.values()))),
+                        "ctas": ctas or sms,
                         "gbps": round(gbps, 2),
                         "memcpy_gbps": round(memcpy_gbps, 2),
                         "ratio": round(gbps / memcpy_gbps, 4),
@@ -201,8 +236,102 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     rows.append(row)
                     _emit(row, args.json)
             torch.cuda.synchronize()
-            del pool
-            host.close()
+            pages.close()
+
+
+def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows: list[dict[str, Any]]) -> None:
+    """A bf16 GEMM loop on one stream; pages streaming on another for longer than the loop runs."""
+    m = 8192
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(m, m, device=dev, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(m, m, device=dev, dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(m, m, device=dev, dtype=torch.bfloat16)
+    compute, copy_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    flops = 2 * m**3 * args.gemm_iters
+
+    def gemm_loop() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record(compute)
+            for _ in range(args.gemm_iters):
+                torch.mm(a, b, out=out)
+            end.record(compute)
+        end.synchronize()
+        return flops / (start.elapsed_time(end) / 1e3) / 1e12
+
+    t_end = time.perf_counter() + 2.0
+    while time.perf_counter() < t_end:  # clocks up
+        gemm_loop()
+    alone = [gemm_loop() for _ in range(3)]
+    rng = np.random.default_rng(1)
+    half = pinned.numel() // 2
+    for page in args.gemm_sizes:
+        n = max(1, min(args.mib << 20, half) // page)
+        pages = _Pages(torch, dev, 1, page, n, pinned, rng)
+        for method, d in itertools.product(args.methods, ("h2d", "d2h")):
+            c = pages.copier(method=method)
+            h = copy_stream.cuda_stream
+
+            def batch(c: Any = c, d: str = d, pages: _Pages = pages, h: int = h) -> str:
+                if d == "h2d":
+                    return str(c.to_gpu(pages.h_in, pages.g_in, h))
+                return str(c.to_host(pages.g_out, pages.h_out, h))
+
+            used = batch()
+            torch.cuda.synchronize()
+            # Enough batches to outlast the GEMM loop (measured alone) by half again.
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record(copy_stream)
+            batch()
+            t1.record(copy_stream)
+            t1.synchronize()
+            one = t0.elapsed_time(t1) / 1e3
+            loop_s = flops / (statistics.median(alone) * 1e12)
+            reps = max(2, int(1.5 * loop_s / one) + 2)
+            base = statistics.median([gemm_loop() for _ in range(3)])  # alone, just before
+            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            c0.record(copy_stream)
+            for _ in range(reps):
+                batch()
+            c1.record(copy_stream)
+            time.sleep(min(0.005, one))  # let the copies reach full rate before the GEMMs start
+            during = gemm_loop()
+            c1.synchronize()
+            copy_gbps = reps * n * page / (c0.elapsed_time(c1) / 1e3) / 1e9
+            row = {
+                "kind": "gemm",
+                "direction": d,
+                "page_bytes": page,
+                "method": method,
+                "used": used,
+                "gemm_tflops_alone": round(base, 1),
+                "gemm_tflops_during": round(during, 1),
+                "loss": round(1 - during / base, 4),
+                "copy_gbps": round(copy_gbps, 2),
+            }
+            rows.append(row)
+            _emit(row, args.json)
+        pages.close()
+    alone_after = gemm_loop()
+    rows.append(
+        {"kind": "gemm_alone", "tflops_before": [round(x, 1) for x in alone], "tflops_after": round(alone_after, 1)}
+    )
+    _emit(rows[-1], args.json)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("kvtier bench copy needs a CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows: list[dict[str, Any]] = []
+    # One pinned buffer: the memcpy ceiling's source and destination, and the staging of random host bytes.
+    pinned = torch.empty(2 * (args.mib << 20), dtype=torch.uint8).pin_memory()
+    _rates(args, torch, dev, sms, pinned, rows)
+    if args.gemm_sizes:
+        _gemm_cost(args, torch, dev, pinned, rows)
     if args.pin_gib > 0:
         row = _pin_rate(args.pin_gib)
         rows.append(row)
@@ -210,24 +339,35 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-_HEADER = False
+_HEADER: set[str] = set()
 
 
 def _emit(row: dict[str, Any], as_json: bool) -> None:
-    global _HEADER
     if as_json:
         print(json.dumps(row), flush=True)
         return
-    if row["layout"] == "hostpool":
+    kind = row["kind"]
+    if kind == "pin":
         print(f"host pool: backed and pinned {row['gib']:.1f} GiB in {row['seconds']:.2f} s = {row['gibps']:.2f} GiB/s "
-              f"(chunks of {row['chunk_bytes'] >> 20} MiB, longest {row['max_chunk_ms']:.0f} ms, pinned={row['pinned']})",
-              flush=True)
-        return
-    if not _HEADER:
-        print(f"{'layout':<12}{'dir':<6}{'page':>10}{'chunk':>9}{'blocks':>7}{'thr':>6}{'GB/s':>8}{'memcpy':>8}{'ratio':>7}")
-        _HEADER = True
-    print(f"{row['layout']:<12}{row['direction']:<6}{row['page_bytes']:>10}{row['chunk_bytes']:>9}{row['blocks']:>7}"
-          f"{row['threads']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}", flush=True)
+              f"(steps of {row['step_bytes'] >> 20} MiB, longest {row['max_step_ms']:.0f} ms, pinned={row['pinned']})",
+              flush=True)  # fmt: skip
+    elif kind == "gemm_alone":
+        print(f"GEMM alone: {row['tflops_before']} TFLOP/s before, {row['tflops_after']} after", flush=True)
+    elif kind == "gemm":
+        if kind not in _HEADER:
+            print(f"{'dir':<5}{'page':>9}{'method':>8}{'used':>8}{'TFLOP/s':>9}{'alone':>8}{'loss':>8}{'GB/s':>7}")
+            _HEADER.add(kind)
+        print(f"{row['direction']:<5}{row['page_bytes']:>9}{row['method']:>8}{row['used']:>8}"
+              f"{row['gemm_tflops_during']:>9.1f}{row['gemm_tflops_alone']:>8.1f}{row['loss']:>8.1%}{row['copy_gbps']:>7.1f}",
+              flush=True)  # fmt: skip
+    else:
+        if kind not in _HEADER:
+            print(f"{'layout':<12}{'dir':<6}{'page':>9}{'piece':>9}{'method':>8}{'used':>8}{'ctas':>6}{'GB/s':>8}"
+                  f"{'memcpy':>8}{'ratio':>7}")  # fmt: skip
+            _HEADER.add(kind)
+        print(f"{row['layout']:<12}{row['direction']:<6}{row['page_bytes']:>9}{row['piece_bytes']:>9}{row['method']:>8}"
+              f"{row['used']:>8}{row['ctas']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}",
+              flush=True)  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -236,21 +376,24 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["layout"] != "hostpool"]
+    rows = [r for r in rows if r["kind"] == "rate"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
-    for ax, d in zip(axes, DIRECTIONS):
+    for ax, d in zip(axes, DIRECTIONS, strict=False):
         sel = [r for r in rows if r["direction"] == d]
-        for layout in sorted({r["layout"] for r in sel}):
-            for blocks in sorted({r["blocks"] for r in sel}):
-                pts = sorted((r["page_bytes"], r["gbps"]) for r in sel if r["layout"] == layout and r["blocks"] == blocks)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ls="-" if layout == "page-first" else "--", label=f"{layout}, {blocks} blocks")
-        mc = sorted({(r["page_bytes"], r["memcpy_gbps"]) for r in sel if r["layout"] == "page-first"})
+        for layout, method in sorted({(r["layout"], r["method"]) for r in sel}):
+            pts = sorted((r["piece_bytes"], r["gbps"]) for r in sel if r["layout"] == layout and r["method"] == method)
+            ax.plot(
+                *zip(*pts, strict=False),
+                marker="o",
+                ls="-" if layout == "page-first" else "--",
+                label=f"{layout}, {method}",
+            )
+        mc = sorted({(r["piece_bytes"], r["memcpy_gbps"]) for r in sel if r["layout"] == "page-first"})
         if mc:
-            ax.plot(*zip(*mc), color="black", ls=":", label="contiguous memcpy")
+            ax.plot(*zip(*mc, strict=False), color="black", ls=":", label="contiguous memcpy")
         ax.set_xscale("log", base=2)
         ax.set_title(d)
-        ax.set_xlabel("page bytes")
+        ax.set_xlabel("piece bytes")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("GB/s")
     axes[-1].legend(fontsize=7)

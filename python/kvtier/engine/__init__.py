@@ -5,5 +5,14 @@ from .engine import Engine, PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestStats, Sequence, SequenceData
 
-__all__ = ["PRESETS", "CacheConfig", "Engine", "EngineConfig", "PrefixCache", "RequestStats", "Scheduler",
-           "Sequence", "SequenceData"]
+__all__ = [
+    "PRESETS",
+    "CacheConfig",
+    "Engine",
+    "EngineConfig",
+    "PrefixCache",
+    "RequestStats",
+    "Scheduler",
+    "Sequence",
+    "SequenceData",
+]

@@ -43,7 +43,9 @@ class EngineConfig:
     ring_slack: int = 64
     block_size: int = 16
     num_gpu_blocks: int = 256
-    num_state_slots: int = 8
+    num_state_rings: int = 8  # GPU ring sets: live sequences with sliding layers
+    # Deprecated name of num_state_rings, still accepted by the constructor.
+    num_state_slots: dataclasses.InitVar[int | None] = None
     layout: str = "page-first"
     chunk_size: int = 64
     max_batch: int = 8
@@ -51,13 +53,15 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, num_state_slots: int | None = None) -> None:
+        if num_state_slots is not None:
+            object.__setattr__(self, "num_state_rings", num_state_slots)
         for name in ("vocab", "hidden", "num_layers", "heads", "head_dim", "window", "block_size",
                      "num_gpu_blocks", "chunk_size", "max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        for name in ("ring_slack", "num_state_slots", "seed"):
+        for name in ("ring_slack", "num_state_rings", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"EngineConfig.{name} must be a non-negative int, got {value!r}")
@@ -67,7 +71,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.vocab must be at least 2, got {self.vocab!r}")
         if self.head_dim % 2:
             raise ValueError(f"EngineConfig.head_dim must be even (rotary embedding), got {self.head_dim!r}")
-        if not isinstance(self.layer_pattern, str) or not self.layer_pattern or set(self.layer_pattern) - {FULL, SLIDING}:
+        pattern = self.layer_pattern
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {FULL, SLIDING}:
             raise ValueError(f"EngineConfig.layer_pattern must be a non-empty string of 'F' and 'S', "
                              f"got {self.layer_pattern!r}")
         if FULL not in self.layer_kinds:
@@ -91,9 +96,9 @@ class EngineConfig:
         if self.num_sliding_layers and self.ring_size < self.block_size:
             raise ValueError(f"window + ring_slack ({self.window!r} + {self.ring_slack!r}) must be at least "
                              f"block_size {self.block_size!r}: a ring holds at least one block's positions")
-        if self.num_sliding_layers and self.num_state_slots < 1:
-            raise ValueError(f"EngineConfig.num_state_slots must be at least 1 with sliding layers, "
-                             f"got {self.num_state_slots!r}")
+        if self.num_sliding_layers and self.num_state_rings < 1:
+            raise ValueError(f"EngineConfig.num_state_rings must be at least 1 with sliding layers, "
+                             f"got {self.num_state_rings!r}")
         if self.block_bytes_per_layer % 16:
             raise ValueError(f"bytes of one layer's block (2 * block_size * heads * head_dim * itemsize = "
                              f"{self.block_bytes_per_layer}) must be a multiple of 16")
@@ -155,7 +160,7 @@ class EngineConfig:
     def fingerprint(self) -> str:
         """Hash of everything that decides the bytes of a page or a state (not pool sizes or scheduling)."""
         fields = dataclasses.asdict(self)
-        for name in ("num_gpu_blocks", "num_state_slots", "chunk_size", "max_batch", "device"):
+        for name in ("num_gpu_blocks", "num_state_rings", "chunk_size", "max_batch", "device"):
             del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -169,5 +174,5 @@ class CacheConfig:
     layout: str
     page_bytes: int
     block_bytes_per_layer: int
-    num_state_slots: int
+    num_state_rings: int
     state_bytes: int

@@ -8,11 +8,15 @@ How a prefix cache is wired (the DeepInfer engine shape):
 - After a step's GPU work is enqueued: `cache.on_prefill_step(scheduled, finished)`, with the sequences that ran
   prefill chunks and those that finished this step (called on every step that has either). Finished sequences
   still own their blocks during the call.
-- Every step: `cache.poll()`. After a finished sequence's blocks are freed: `cache.forget(request_id)`.
+- Every step: `cache.poll()`. Before a finished sequence's blocks are freed: `cache.release(block_table)` (when
+  the cache has it); after: `cache.forget(request_id)`.
+- Layer-wise loads (when the cache has `wait_layer`): before a full-attention layer writes or reads its K/V, the
+  model calls `cache.wait_layer(l)` (l: the layer's index in the paged pool).
 
-Block reuse is safe without waiting for the cache's GPU->host copies: on CUDA the cache enqueues them on the
-current stream, and every kernel that writes a later owner's K/V into those blocks runs on the same stream,
-after them; on the CPU the cache copies synchronously inside on_prefill_step.
+Block reuse never waits on the host for the cache's GPU->host copies: on CUDA the cache copies on its own stream,
+and `release`/`forget` make the engine's stream wait (GPU-side) for the pending copies of those blocks, so every
+kernel that writes a later owner's K/V runs after them; on the CPU the cache copies synchronously inside
+on_prefill_step.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from .sequence import RequestStats, Sequence
 
 
 class PrefixCache(Protocol):
+    """What the engine calls; `release(blocks)` and `wait_layer(l)` are optional."""
+
     def try_resume(self, seq: Sequence, request_id: str, prompt_ids: list[int]) -> int: ...
     def on_prefill_step(self, scheduled: list[Sequence], finished: list[Sequence]) -> None: ...
     def poll(self) -> None: ...
@@ -55,10 +61,14 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.cache_config = CacheConfig(
-            block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks, layout=config.layout,
-            page_bytes=config.page_bytes, block_bytes_per_layer=config.block_bytes_per_layer,
-            num_state_slots=config.num_state_slots if config.num_sliding_layers else 0,
-            state_bytes=config.state_bytes)
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            layout=config.layout,
+            page_bytes=config.page_bytes,
+            block_bytes_per_layer=config.block_bytes_per_layer,
+            num_state_rings=config.num_state_rings if config.num_sliding_layers else 0,
+            state_bytes=config.state_bytes,
+        )
         self.layout = config.layout
         self.page_bytes = config.page_bytes
         self.block_bytes_per_layer = config.block_bytes_per_layer
@@ -128,8 +138,10 @@ class Engine:
         steps = 0
         while self.has_unfinished():
             if max_steps is not None and steps >= max_steps:
-                raise RuntimeError(f"requests still unfinished after {max_steps} steps: "
-                                   f"{len(self.waiting)} waiting, {len(self.running)} running")
+                raise RuntimeError(
+                    f"requests still unfinished after {max_steps} steps: "
+                    f"{len(self.waiting)} waiting, {len(self.running)} running"
+                )
             self.step()
             steps += 1
         return {rid: out for rid, out in self.outputs.items() if rid not in done_before}
@@ -184,15 +196,27 @@ class Engine:
     def _check_hit(self, seq: Sequence, hit: int) -> None:
         n = len(seq.prompt_ids)
         if not isinstance(hit, int) or hit < -1 or hit >= n or hit % self.config.block_size:
-            raise RuntimeError(f"cache.try_resume returned {hit!r} for request {seq.request_id!r} "
-                               f"(prompt of {n} tokens): expected -1, 0, or a block boundary below {n}")
+            raise RuntimeError(
+                f"cache.try_resume returned {hit!r} for request {seq.request_id!r} "
+                f"(prompt of {n} tokens): expected -1, 0, or a block boundary below {n}"
+            )
         if hit > 0 and not seq.is_allocated:
-            raise RuntimeError(f"cache.try_resume returned {hit} for request {seq.request_id!r} "
-                               f"without allocating the sequence")
+            raise RuntimeError(
+                f"cache.try_resume returned {hit} for request {seq.request_id!r} without allocating the sequence"
+            )
 
     def _forward(self, seq: Sequence, token_ids: list[int], start: int) -> torch.Tensor:
-        return self.model.forward(token_ids, start, self.pages, seq.block_table, self._block_ids[seq.request_id],
-                                  self.rings, seq.state_id)
+        wait_layer = getattr(self.cache, "wait_layer", None) if self.cache is not None else None
+        return self.model.forward(
+            token_ids,
+            start,
+            self.pages,
+            seq.block_table,
+            self._block_ids[seq.request_id],
+            self.rings,
+            seq.state_id,
+            wait_layer=wait_layer,
+        )
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         """Prefill up to chunk_size prompt tokens from the resume point, one block-aligned span at a time."""
@@ -226,6 +250,9 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        release = getattr(self.cache, "release", None) if self.cache is not None else None
+        if release is not None:
+            release(seq.block_table)
         self.scheduler.free_seq(seq)
         del self._block_ids[seq.request_id]
         self.outputs[seq.request_id] = list(seq.output_ids)
@@ -235,11 +262,11 @@ class Engine:
 
     # State kernels (called by a prefix cache)
 
-    def _state_slot(self, seq: Sequence) -> int:
+    def _state_ring(self, seq: Sequence) -> int:
         if self.rings is None:
             raise RuntimeError("this model has no sliding-window layers, so no state")
         if seq.state_id is None:
-            raise ValueError(f"sequence {seq.request_id!r} has no state slot (not allocated)")
+            raise ValueError(f"sequence {seq.request_id!r} has no state ring (not allocated)")
         return seq.state_id
 
     def select_state(self, seq: Sequence, pos: int, staging: torch.Tensor) -> None:
@@ -247,18 +274,19 @@ class Engine:
         staging (uint8, state_bytes, on the engine's device), in position order, as
         [num_sliding_layers, 2 (K, V), window, heads, head_dim]; positions below 0 are zeros. The window must
         still be in the ring: num_computed_tokens - ring_slack <= pos <= num_computed_tokens."""
-        slot = self._state_slot(seq)
+        slot = self._state_ring(seq)
         done = seq.num_computed_tokens
         if not isinstance(pos, int) or not max(0, done - self.ring_slack) <= pos <= done:
-            raise ValueError(f"select_state at pos {pos!r} for {seq.request_id!r}: the ring holds windows ending "
-                             f"in [{max(0, done - self.ring_slack)}, {done}]")
+            raise ValueError(
+                f"select_state at pos {pos!r} for {seq.request_id!r}: the ring holds windows ending "
+                f"in [{max(0, done - self.ring_slack)}, {done}]"
+            )
         self.rings.select(slot, pos, staging)  # type: ignore[union-attr]
 
     def load_state(self, seq: Sequence, pos: int, staging: torch.Tensor) -> None:
         """Write a staged window (as select_state makes it) into the sequence's rings, so that the sequence
         resumes at pos exactly as if it had computed positions [0, pos)."""
-        slot = self._state_slot(seq)
+        slot = self._state_ring(seq)
         if not isinstance(pos, int) or not 0 <= pos < len(seq.prompt_ids):
-            raise ValueError(f"load_state at pos {pos!r} for {seq.request_id!r}: must be in "
-                             f"[0, {len(seq.prompt_ids)})")
+            raise ValueError(f"load_state at pos {pos!r} for {seq.request_id!r}: must be in [0, {len(seq.prompt_ids)})")
         self.rings.load(slot, pos, staging)  # type: ignore[union-attr]

@@ -10,6 +10,7 @@ replaces.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -73,8 +74,15 @@ class Model:
         x1, x2 = xf.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
         """q [T, H, D] over k, v [Tk, H, D]; causal, and limited to keys >= p - window when window is set."""
         scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * self.scale  # [H, T, Tk]
         allowed = k_pos[None, :] <= q_pos[:, None]
@@ -83,10 +91,20 @@ class Model:
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
         return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).flatten(1)  # [T, H*D]
 
-    def forward(self, token_ids: list[int], start: int, pages: PagedKV, block_table: list[int],
-                block_ids: torch.Tensor, rings: RingStates | None, state_id: int | None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: list[int],
+        start: int,
+        pages: PagedKV,
+        block_table: list[int],
+        block_ids: torch.Tensor,
+        rings: RingStates | None,
+        state_id: int | None,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Run positions [start, start + len(token_ids)) (all in one block), write their K/V into the pools,
-        and return the logits of the last position [vocab]. block_ids is block_table as a tensor on the device."""
+        and return the logits of the last position [vocab]. block_ids is block_table as a tensor on the device.
+        wait_layer(l) is called before full-attention layer l (paged-pool index) touches its K/V."""
         c = self.config
         end = start + len(token_ids)
         device = self.embed.device
@@ -101,6 +119,8 @@ class Model:
             k = self._rotary((h @ w["wk"]).view(-1, c.heads, c.head_dim), q_pos)
             v = (h @ w["wv"]).view(-1, c.heads, c.head_dim)
             if layer.kind == FULL:
+                if wait_layer is not None:
+                    wait_layer(layer.index)
                 pages.write(layer.index, block_id, start % c.block_size, k, v)
                 keys, values = pages.gather(layer.index, block_ids[: (end - 1) // c.block_size + 1], end)
                 k_pos = torch.arange(0, end, device=device)

@@ -9,7 +9,7 @@ page is [2 (K, V), block_size, heads, head_dim].
 - layer-first: gpu_layers, one tensor per full-attention layer [num_blocks, block_bytes_per_layer]; a page is
   num_full_layers chunks, one per tensor.
 
-State pool. gpu_states [num_state_slots, state_slot_bytes] holds each live sequence's rings, laid out
+State pool. gpu_states [num_state_rings, state_slot_bytes] holds each live sequence's rings, laid out
 [num_sliding_layers, 2, ring_size, heads, head_dim]; position p lives at ring index p % ring_size. A stored
 state is the window of positions [pos - window, pos) of every sliding layer, [num_sliding_layers, 2, window,
 heads, head_dim] in position order, with positions below 0 as zeros.
@@ -47,8 +47,8 @@ class PagedKV:
     def write(self, layer: int, block_id: int, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [T, heads, head_dim] of T consecutive positions starting at `offset` inside one block."""
         t = k.shape[0]
-        self._layers[layer][block_id, 0, offset:offset + t] = k
-        self._layers[layer][block_id, 1, offset:offset + t] = v
+        self._layers[layer][block_id, 0, offset : offset + t] = k
+        self._layers[layer][block_id, 1, offset : offset + t] = v
 
     def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_tokens, heads, head_dim] of positions [0, num_tokens) through a block table."""
@@ -66,9 +66,10 @@ class RingStates:
         self.ring_size = c.ring_size
         self.state_bytes = c.state_bytes
         self.dtype = c.torch_dtype
-        self.gpu_states = torch.zeros(c.num_state_slots, c.state_slot_bytes, dtype=torch.uint8, device=device)
+        self.gpu_states = torch.zeros(c.num_state_rings, c.state_slot_bytes, dtype=torch.uint8, device=device)
         self._rings = self.gpu_states.view(c.torch_dtype).view(
-            c.num_state_slots, c.num_sliding_layers, 2, c.ring_size, c.heads, c.head_dim)
+            c.num_state_rings, c.num_sliding_layers, 2, c.ring_size, c.heads, c.head_dim
+        )
         self._state_shape = (c.num_sliding_layers, 2, c.window, c.heads, c.head_dim)
 
     def _ring_index(self, start: int, end: int) -> torch.Tensor:
@@ -90,8 +91,10 @@ class RingStates:
         if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8:
             raise TypeError(f"staging must be a uint8 tensor, got {getattr(staging, 'dtype', type(staging))}")
         if staging.numel() != self.state_bytes or not staging.is_contiguous():
-            raise ValueError(f"staging must be {self.state_bytes} contiguous bytes, got {staging.numel()} bytes "
-                             f"(contiguous={staging.is_contiguous()})")
+            raise ValueError(
+                f"staging must be {self.state_bytes} contiguous bytes, got {staging.numel()} bytes "
+                f"(contiguous={staging.is_contiguous()})"
+            )
         if staging.device != self.gpu_states.device:
             raise ValueError(f"staging is on {staging.device}, the state pool on {self.gpu_states.device}")
         return staging.view(-1).view(self.dtype).view(self._state_shape)
@@ -102,10 +105,10 @@ class RingStates:
         first = max(0, pos - self.window)
         if pos < self.window:
             staged[:, :, : self.window - pos].zero_()
-        staged[:, :, self.window - (pos - first):] = self._rings[slot].index_select(2, self._ring_index(first, pos))
+        staged[:, :, self.window - (pos - first) :] = self._rings[slot].index_select(2, self._ring_index(first, pos))
 
     def load(self, slot: int, pos: int, staging: torch.Tensor) -> None:
         """Write a staged window back into a slot's rings, so the positions [pos - window, pos) are present."""
         staged = self._staged(staging)
         first = max(0, pos - self.window)
-        self._rings[slot].index_copy_(2, self._ring_index(first, pos), staged[:, :, self.window - (pos - first):])
+        self._rings[slot].index_copy_(2, self._ring_index(first, pos), staged[:, :, self.window - (pos - first) :])

@@ -33,7 +33,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.block_size = config.block_size
         self.blocks = FreeList(config.num_gpu_blocks)
-        self.state_slots = FreeList(config.num_state_slots if config.num_sliding_layers else 0)
+        self.state_rings = FreeList(config.num_state_rings if config.num_sliding_layers else 0)
         self._needs_state = config.num_sliding_layers > 0
 
     def blocks_needed(self, seq: Sequence) -> int:
@@ -43,31 +43,33 @@ class Scheduler:
         """Raise RuntimeError when the sequence could never be allocated, even on an idle engine."""
         need = self.blocks_needed(seq)
         if need > self.blocks.capacity:
-            raise RuntimeError(f"request {seq.request_id!r} needs {need} GPU blocks "
-                               f"({seq.max_tokens} tokens), the pool has {self.blocks.capacity}")
+            raise RuntimeError(
+                f"request {seq.request_id!r} needs {need} GPU blocks "
+                f"({seq.max_tokens} tokens), the pool has {self.blocks.capacity}"
+            )
 
     def try_allocate_seq(self, seq: Sequence) -> bool:
-        """Allocate the blocks of the whole prompt and generation (and a state slot when the model has sliding
+        """Allocate the blocks of the whole prompt and generation (and a state ring when the model has sliding
         layers) now. False if that cannot be done right now; RuntimeError if it never can. True at once for a
         sequence that is already allocated."""
         if seq.is_allocated:
             return True
         self.check_fits(seq)
-        if self._needs_state and self.state_slots.num_free < 1:
+        if self._needs_state and self.state_rings.num_free < 1:
             return False
         blocks = self.blocks.take(self.blocks_needed(seq))
         if blocks is None:
             return False
         seq.block_table = blocks
-        state = self.state_slots.take(1) if self._needs_state else None
+        state = self.state_rings.take(1) if self._needs_state else None
         seq.state_id = state[0] if state else None
         return True
 
     def free_seq(self, seq: Sequence) -> None:
-        """Give a sequence's blocks and state slot back. On CUDA, the engine writes a later owner's K/V on the
-        same stream as any copy already enqueued from these blocks, so the copy reads them first."""
+        """Give a sequence's blocks and state ring back. The engine has already ordered their reuse after any
+        pending store of them (``cache.release`` before, ``cache.forget`` after this)."""
         self.blocks.give_back(seq.block_table)
         seq.block_table = []
         if seq.state_id is not None:
-            self.state_slots.give_back([seq.state_id])
+            self.state_rings.give_back([seq.state_id])
             seq.state_id = None

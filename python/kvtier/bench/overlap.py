@@ -1,0 +1,262 @@
+"""`kvtier bench overlap`: what copies cost the reference engine's requests on a GPU.
+
+1. Time to first token of a long cached prefix plus an uncached suffix (default 32K + 2K tokens, the medium model
+   in bfloat16): with the cache off; with whole loads (the engine's stream waits for the whole load before the
+   suffix's prefill); with layer-wise loads (it waits per layer, in ``wait_layer``). In the same run: the load
+   alone (the prefix's pages host->GPU, timed with events) and the suffix's prefill alone (the prefix's blocks
+   taken as they are, no copy), so the layer-wise figure can be set against max(load, prefill).
+2. Decode step time while a store of the same prefix length streams GPU->host: a few sequences decode; between
+   steps a 32K-token prompt's blocks are stored (the store call's own time is counted in the step after it); the
+   steps until the store completes are timed against the three steps before each store, with copy streams and
+   with every copy on the engine's stream.
+
+Run: ``kvtier bench overlap [--json]`` or ``python -m kvtier.bench.overlap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvtier bench overlap", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="medium", help="reference engine preset")
+    ap.add_argument("--device", default="cuda", help="cuda (cpu only to try the script quickly)")
+    ap.add_argument("--layouts", default="layer-first,page-first", help="layer-first and/or page-first")
+    ap.add_argument("--prefix-tokens", type=int, default=32768)
+    ap.add_argument("--suffix-tokens", type=int, default=2048)
+    ap.add_argument("--method", default="auto", help="copy_method of the cache")
+    ap.add_argument("--reps", type=int, default=5, help="requests timed per mode (the median is reported)")
+    ap.add_argument("--decode-seqs", type=int, default=4, help="sequences decoding while stores stream")
+    ap.add_argument("--stores", type=int, default=20, help="stores timed (each a fresh prompt)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    return ap.parse_args(argv)
+
+
+class _NoCopy:
+    """A prefix cache that allocates and reports the prefix as cached without copying: prefill alone."""
+
+    def __init__(self, engine: Any, hit: int) -> None:
+        self.engine, self.hit = engine, hit
+
+    def try_resume(self, seq: Any, request_id: str, prompt_ids: Any) -> int:
+        if not self.engine.scheduler.try_allocate_seq(seq):
+            return -1
+        return self.hit
+
+    def on_prefill_step(self, scheduled: Any, finished: Any) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def _emit(row: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _ttft(engine: Any, rid: str, prompt: list[int]) -> float:
+    _sync()
+    engine.add_request(rid, prompt, 1)
+    engine.run_until_done()
+    ttft = engine.stats[rid].ttft
+    assert ttft is not None
+    return ttft
+
+
+def _settle(cache: Any) -> None:
+    _sync()
+    cache.poll()
+
+
+def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
+    import torch
+
+    from kvtier.copy import HostPool, PageCopier
+    from kvtier.deepinfer import Cache
+    from kvtier.engine import Engine, EngineConfig
+
+    bs = 16
+    pre, suf = args.prefix_tokens, args.suffix_tokens
+    blocks_per_seq = -(-(pre + suf + 1) // bs)
+    config = EngineConfig.preset(args.model, device=args.device, dtype="bfloat16", layout=layout, block_size=bs,
+                                 num_gpu_blocks=3 * blocks_per_seq, chunk_size=suf + 1024, max_batch=4,
+                                 num_state_rings=4)  # fmt: skip
+    engine = Engine(config)
+    rng = np.random.default_rng(0)
+    vocab = config.vocab
+    prefix = rng.integers(0, vocab, pre).tolist()
+
+    def prompt() -> list[int]:
+        return prefix + rng.integers(0, vocab, suf).tolist()
+
+    rows: list[dict[str, Any]] = []
+    page_bytes = engine.page_bytes
+    host_bytes = (blocks_per_seq + 64) * page_bytes * 3
+    out: dict[str, list[float]] = {"prefill_alone": [], "whole_loads": [], "layerwise_loads": []}
+    # Warm the engine's kernels once.
+    _ttft(engine, "warm", prompt()[: 4 * bs + 3])
+    out["cache_off"] = [_ttft(engine, "off", prompt())]
+    no_copy = _NoCopy(engine, pre)
+    cache = Cache(engine, size_bytes=host_bytes, num_state_slots=64, preallocate=True, copy_method=args.method)
+    xfer = cache.cache.transfers
+    engine.cache = cache
+    # Store the prefix: a prompt ending just past it, so the state at the prefix's last boundary is stored too.
+    _ttft(engine, "store", prefix + rng.integers(0, vocab, 5).tolist())
+    _settle(cache)
+    # The three modes take turns, so drift in the host's speed touches each alike. One cache serves both load
+    # modes: its layer-wise switch is flipped between requests (nothing is in flight then).
+    for i in range(args.reps + 1):
+        for mode in ("prefill_alone", "whole_loads", "layerwise_loads"):
+            engine.cache = no_copy if mode == "prefill_alone" else cache
+            xfer.layerwise_loads = mode == "layerwise_loads"
+            rid = f"{mode}{i}"
+            t = _ttft(engine, rid, prompt())
+            _settle(cache)
+            if engine.stats[rid].cached_tokens != pre:
+                raise SystemExit(f"{mode}: expected a hit of {pre} tokens, got {engine.stats[rid].cached_tokens}")
+            if i:  # the first round warms each path
+                out[mode].append(t)
+    cache.close()
+    engine.cache = None
+    # The load alone: the prefix's pages into the GPU pool with the cache's method, on a stream of its own.
+    n = pre // bs
+    host = HostPool(n, page_bytes)
+    host.grow_to(n)
+    pool = engine.gpu_blocks if engine.gpu_blocks is not None else engine.gpu_layers
+    assert pool is not None
+    copier = PageCopier(pool, host, method=args.method)
+    stream = torch.cuda.Stream() if args.device != "cpu" else None
+    ids = np.arange(n, dtype=np.int32)
+    loads, used = [], ""
+    for i in range(args.reps + 1):
+        _sync()
+        t0 = time.perf_counter()
+        used = copier.to_gpu(ids, ids, stream.cuda_stream if stream is not None else 0)
+        _sync()
+        if i:
+            loads.append(time.perf_counter() - t0)
+    host.close()
+    load = statistics.median(loads)
+    prefill = statistics.median(out["prefill_alone"])
+    row: dict[str, Any] = {"kind": "ttft", "layout": layout, "model": args.model, "prefix": pre, "suffix": suf,
+                           "page_bytes": page_bytes, "load_method": used, "load_alone_ms": round(load * 1e3, 2),
+                           "load_gbps": round(n * page_bytes / load / 1e9, 1)}  # fmt: skip
+    for k, v in out.items():
+        row[f"{k}_ms"] = round(statistics.median(v) * 1e3, 2)
+    row["layerwise_over_max"] = round(statistics.median(out["layerwise_loads"]) / max(load, prefill), 3)
+    row["reps"] = len(out["layerwise_loads"])
+    rows.append(row)
+    return rows
+
+
+def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
+    import torch
+
+    from kvtier.deepinfer import Cache
+    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine.sequence import Sequence as Seq
+
+    bs = 16
+    pre = args.prefix_tokens
+    store_blocks = pre // bs
+    steps_total = 20 + args.stores * 12
+    num_blocks = store_blocks + args.decode_seqs * (-(-(512 + steps_total) // bs)) + 8
+    config = EngineConfig.preset(args.model, device=args.device, dtype="bfloat16", layout=layout, block_size=bs,
+                                 num_gpu_blocks=num_blocks,
+                                 max_batch=args.decode_seqs, chunk_size=512,
+                                 num_state_rings=args.decode_seqs + 1)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    rng = np.random.default_rng(1)
+    for streams in (True, False):
+        engine = Engine(config)
+        cache = Cache(engine, size_bytes=3 * store_blocks * engine.page_bytes, num_state_slots=64, preallocate=True,
+                      copy_method=args.method, copy_streams=streams)  # fmt: skip
+        engine.cache = cache
+        for i in range(args.decode_seqs):
+            engine.add_request(f"d{i}", rng.integers(0, config.vocab, 512).tolist(), steps_total)
+        # Prefill, then a few decode steps to settle.
+        while any(s.chunked_rest_len for s in engine.running) or len(engine.running) < args.decode_seqs:
+            engine.step()
+        # The store's blocks: a sequence the scheduler allocates but the engine never runs (the bytes are whatever
+        # the pool holds; the copy is the same).
+        holder = Seq("holder", [0] * pre, 1)
+        assert engine.scheduler.try_allocate_seq(holder)
+        holder.num_computed_tokens = pre  # as if prefilled: its state windows are in its rings
+        table = holder.block_table[:store_blocks]
+
+        def timed_step(engine: Any = engine) -> float:
+            t0 = time.perf_counter()
+            engine.step()
+            return time.perf_counter() - t0
+
+        for _ in range(10):
+            timed_step()
+        base: list[float] = []
+        during: list[float] = []
+        store_call: list[float] = []
+        for k in range(args.stores):
+            tokens = rng.integers(0, config.vocab, pre).tolist()
+            _settle(cache.cache)
+            base += [timed_step() for _ in range(3)]
+            t0 = time.perf_counter()
+            cache.cache.store(f"s{k}", tokens, table, seq_len=pre, state=holder)
+            store_call.append(time.perf_counter() - t0)
+            first = True
+            while cache.stats_dict()["copies_in_flight"] and len(during) < 10_000:
+                step = timed_step()
+                during.append(step + (store_call[-1] if first else 0.0))
+                first = False
+            cache.release(table)
+            cache.forget(f"s{k}")
+        s = cache.stats_dict()
+        row = {"kind": "decode", "layout": layout, "copy_streams": streams, "method": args.method,
+               "store_mib": round(store_blocks * engine.page_bytes / 2**20, 1), "decode_seqs": args.decode_seqs,
+               "step_ms_base": round(statistics.mean(base) * 1e3, 3),
+               "step_ms_during_store": round(statistics.mean(during) * 1e3, 3) if during else None,
+               "steps_during_store": len(during), "store_call_ms": round(statistics.median(store_call) * 1e3, 3),
+               "pages_stored": s["pages_stored"]}  # fmt: skip
+        if during:
+            row["growth"] = round(statistics.mean(during) / statistics.mean(base) - 1, 4)
+        rows.append(row)
+        cache.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit("kvtier bench overlap needs a CUDA device")
+    for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
+        for row in ttft_rows(args, layout) + decode_rows(args, layout):
+            _emit(row, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

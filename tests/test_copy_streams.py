@@ -1,0 +1,240 @@
+"""Copy streams, copy methods and layer-wise loads.
+
+On the GPU: the reference engine's outputs with the cache equal those without it in bfloat16, for both layouts,
+with deferrals, for every combination of copy streams, copy method and layer-wise loads, while every copy stream is
+held back by a GPU sleep before each load and store, so a missing event (a model reading before its load, a block
+rewritten before its store read it) shows as wrong tokens; a control without wait_layer shows that it does. The
+copy engine and the kernel give the same bytes, for whole pages and per layer. On the CPU: the same API, with
+copies complete on return and every ordering call a no-op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array
+from kvtier.deepinfer import Cache
+from kvtier.engine import Engine, EngineConfig
+from kvtier.settings import CacheSettings
+from kvtier.workload import Conversations
+
+WORK = Conversations(conversations=4, turns=3, system_tokens=128, user_tokens=24, answer_tokens=6, seed=3)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def engine(layout: str, device: str = "cpu", **kw) -> Engine:
+    cfg = dict(num_gpu_blocks=36, num_state_rings=4, chunk_size=32, max_batch=3, layout=layout, layer_pattern="FFS",
+               device=device, ring_slack=32, num_layers=4)  # fmt: skip
+    cfg.update(kw)
+    return Engine(EngineConfig.preset("tiny", **cfg))
+
+
+class SlowCopies(Cache):
+    """The DeepInfer-shaped adapter with each copy stream held back (GPU sleep) before every load and store."""
+
+    def __init__(self, e: Engine, sleep_cycles: int, **kw) -> None:
+        super().__init__(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, **kw)
+        e.cache = self
+        self.sleep_cycles = sleep_cycles
+        t = self.cache.transfers
+        self._streams = [torch.cuda.ExternalStream(h) for h in (t.h2d_stream, t.d2h_stream) if h]
+
+    def _hold(self) -> None:
+        for s in self._streams:
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(self.sleep_cycles)
+
+    def try_resume(self, seq, request_id, prompt_ids):  # type: ignore[no-untyped-def]
+        self._hold()
+        return super().try_resume(seq, request_id, prompt_ids)
+
+    def on_prefill_step(self, scheduled, finished):  # type: ignore[no-untyped-def]
+        self._hold()
+        super().on_prefill_step(scheduled, finished)
+
+
+class NoLayerWaits(SlowCopies):
+    """A broken engine integration: layer-wise loads, but the model never waits for them."""
+
+    wait_layer = None  # type: ignore[assignment]
+
+
+COMBOS = [
+    # copy_streams, copy_method, layerwise_loads
+    (False, "kernel", False),
+    (True, "kernel", False),
+    (True, "dma", False),
+    (True, "auto", False),
+    (True, "kernel", True),
+    (True, "dma", True),
+    (True, "auto", True),
+]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("layout", ["page-first", "layer-first"])
+@pytest.mark.parametrize("streams,method,layerwise", COMBOS)
+def test_outputs_identical_with_held_back_copies(layout: str, streams: bool, method: str, layerwise: bool) -> None:
+    kw = dict(device="cuda", dtype="bfloat16")
+    off = WORK.run(engine(layout, **kw))
+    e = engine(layout, **kw)
+    cache = SlowCopies(e, 2_000_000, copy_streams=streams, copy_method=method, layerwise_loads=layerwise)
+    assert WORK.run(e) == off
+    s = cache.stats_dict()
+    assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0, s
+    cache.close()
+    cache.cache.index.check()
+
+
+@pytest.mark.gpu
+@cuda
+def test_without_wait_layer_the_model_reads_too_early() -> None:
+    """The control: the held-back loads do reach the model late, so the tests above can fail."""
+    kw = dict(device="cuda", dtype="bfloat16")
+    off = WORK.run(engine("layer-first", **kw))
+    e = engine("layer-first", **kw)
+    cache = NoLayerWaits(e, 50_000_000, layerwise_loads=True)
+    assert WORK.run(e) != off
+    assert cache.stats_dict()["hits"] > 0
+    cache.close()
+
+
+def _pools(layers: int, segment: int, blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(layers)]  # fmt: skip
+    host = HostPool(slots, segment * layers, step_bytes=1 << 20)
+    host.grow_to(slots)
+    return pool, host
+
+
+def _page(pool, block: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return torch.cat([t[block] for t in pool]).cpu().numpy()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("layers,segment", [(1, 256 << 10), (1, 48 << 10), (1, 4096), (5, 64 << 10), (3, 272)])
+@pytest.mark.parametrize("method", ["dma", "kernel", "auto"])
+def test_methods_exact_whole_and_per_layer(layers: int, segment: int, method: str) -> None:
+    rng = np.random.default_rng(layers + segment)
+    num_blocks, slots, n = 48, 40, 24
+    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers)
+    copier = PageCopier(pool[0] if layers == 1 else pool, host, method=method)
+    stream = CopyStream(torch.cuda.current_device())
+    hv = host_array(host)
+    hv[:] = 0xA5
+    # Consecutive ids (contiguous runs for the copy engine) and scattered ones.
+    gids = np.concatenate([np.arange(4, 12), rng.choice(np.arange(12, num_blocks), n - 8, replace=False)]).astype(
+        np.int32
+    )
+    hslots = np.concatenate([np.arange(0, 8), rng.choice(np.arange(8, slots), n - 8, replace=False)]).astype(np.int32)
+    torch.cuda.synchronize()
+    used = copier.to_host(gids, hslots, stream.handle)
+    # auto: the copy engine when the mean piece (a run of pages contiguous on both sides) reaches the crossover.
+    runs = 1 + int(((np.diff(gids) != 1) | (np.diff(hslots) != 1)).sum()) if layers == 1 else n * layers
+    large = n * segment * layers >= copier.crossover_bytes * runs
+    dma = dma_supported() and (method == "dma" or (method == "auto" and large))
+    assert used == ("dma" if dma else "kernel")
+    done = CopyEvent(torch.cuda.current_device())
+    done.record(stream.handle)
+    done.synchronize()
+    for g, s in zip(gids, hslots, strict=False):
+        assert np.array_equal(hv[s], _page(pool, int(g)))
+    written = np.zeros(slots, bool)
+    written[hslots] = True
+    assert (hv[~written] == 0xA5).all()
+    # Back, one layer at a time, into poisoned blocks from fresh host bytes.
+    hv[:] = rng.integers(0, 256, hv.shape, dtype=np.uint8)
+    for t in pool:
+        t.fill_(0x3C)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        copier.to_gpu(hslots, gids, stream.handle, layers=(layer, layer + 1))
+    done.record(stream.handle)
+    done.wait_in(torch.cuda.current_stream().cuda_stream)  # GPU-side: the reads below are ordered after it
+    for g, s in zip(gids, hslots, strict=False):
+        assert np.array_equal(_page(pool, int(g)), hv[s])
+    rest = torch.from_numpy(np.setdiff1d(np.arange(num_blocks), gids)).cuda()
+    assert all((t[rest] == 0x3C).all() for t in pool)
+    host.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_auto_chooses_by_piece_size_and_never_dma_on_the_legacy_stream() -> None:
+    pool, host = _pools(1, 64 << 10, 64, 64, seed=1)
+    copier = PageCopier(pool[0], host, method="auto", crossover_bytes=256 << 10)
+    copy_stream = CopyStream(torch.cuda.current_device())  # owns the handle: kept for the whole test
+    stream = copy_stream.handle
+    run = np.arange(0, 16, dtype=np.int32)  # one contiguous run of 1 MiB
+    scattered = np.arange(0, 32, 2, dtype=np.int32)  # 64 KiB pieces
+    expect_dma = "dma" if copier.dma_available else "kernel"
+    assert copier.to_host(run, run, stream) == expect_dma
+    assert copier.to_host(scattered, scattered + 1, stream) == "kernel"
+    assert PageCopier(pool[0], host, method="dma").to_host(run, run, 0) == "kernel"  # legacy default stream
+    torch.cuda.synchronize()
+    host.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_store_does_not_hold_the_engine_stream_and_release_orders_reuse() -> None:
+    """The engine's stream is free while a store's copy is held back; release() makes it wait (GPU-side)."""
+    e = engine("page-first", device="cuda", layer_pattern="F", num_gpu_blocks=64)
+    cache = Cache(e, size_bytes=8 << 20, preallocate=True)
+    xfer = cache.cache.transfers
+    d2h = torch.cuda.ExternalStream(xfer.d2h_stream)
+    prompt = list(range(1, 97))
+    blocks = list(range(10, 16))
+    with torch.cuda.stream(d2h):
+        torch.cuda._sleep(200_000_000)  # ~100 ms
+    cache.cache.store("r", prompt, blocks)
+    mark = torch.cuda.Event()
+    mark.record()
+    torch.cuda.current_stream().synchronize()  # the engine's stream finishes at once: it does not wait for the store
+    assert mark.query() and cache.stats_dict()["copies_in_flight"] == 1
+    cache.release([11])
+    mark.record()
+    assert not mark.query()  # now the engine's stream waits for the store
+    mark.synchronize()
+    cache.poll()
+    assert cache.stats_dict()["copies_in_flight"] == 0
+    cache.close()
+
+
+def test_cpu_path_same_api() -> None:
+    e = engine("layer-first")
+    cache = Cache(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, layerwise_loads=True)
+    e.cache = cache
+    off = WORK.run(engine("layer-first"))
+    assert WORK.run(e) == off
+    xfer = cache.cache.transfers
+    assert not xfer.copy_streams and not xfer.layerwise_loads and xfer.d2h_stream == xfer.h2d_stream == 0
+    cache.wait_layer(0)
+    cache.release([1, 2])
+    with pytest.raises(ValueError, match="block id 36 is outside the GPU pool of 36 blocks"):
+        cache.cache.release([3, 36])
+    cache.cache.wait_loads()
+    assert cache.stats_dict()["copies_in_flight"] == 0 and cache.stats_dict()["hits"] > 0
+    cache.close()
+
+
+def test_copy_settings() -> None:
+    env = {
+        "KVTIER_COPY_METHOD": "dma",
+        "KVTIER_COPY_STREAMS": "0",
+        "KVTIER_LAYERWISE_LOADS": "1",
+        "KVTIER_COPY_CROSSOVER_BYTES": "1MiB",
+    }
+    s = CacheSettings.resolve(env)
+    assert (s.copy_method, s.copy_streams, s.layerwise_loads, s.copy_crossover_bytes) == ("dma", False, True, 1 << 20)
+    d = CacheSettings.resolve({})
+    defaults = (d.copy_method, d.copy_streams, d.layerwise_loads, d.copy_crossover_bytes)
+    assert defaults == ("auto", True, False, 64 << 10)
+    with pytest.raises(ValueError, match="copy_method: must be one of 'auto', 'kernel', 'dma', got 'fast'"):
+        CacheSettings.resolve({}, copy_method="fast")
+    with pytest.raises(ValueError, match="KVTIER_COPY_STREAMS"):
+        CacheSettings.resolve({"KVTIER_COPY_STREAMS": "maybe"})
