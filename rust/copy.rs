@@ -131,7 +131,7 @@ impl PageCopier {
         if n == 0 || n > cuda::MAX_LAYERS {
             return Err(invalid(format!("a GPU pool has 1 to {} layer tensors, got {n}", cuda::MAX_LAYERS)));
         }
-        if pool.segment_bytes == 0 || pool.segment_bytes % 16 != 0 {
+        if pool.segment_bytes == 0 || !pool.segment_bytes.is_multiple_of(16) {
             return Err(invalid(format!(
                 "bytes per block of each layer tensor must be a positive multiple of 16, got {}",
                 pool.segment_bytes
@@ -330,7 +330,7 @@ impl PageCopier {
                 let end = off + seg;
                 while off < end {
                     let cut = ((off / step + 1) * step).min(end);
-                    pieces.push(dev, host_base + off, cut - off, off % step != 0);
+                    pieces.push(dev, host_base + off, cut - off, !off.is_multiple_of(step));
                     dev += cut - off;
                     off = cut;
                 }

@@ -61,7 +61,7 @@ impl HostPool {
         if slots == 0 {
             return Err(invalid("slots must be > 0, got 0"));
         }
-        if slot_bytes == 0 || slot_bytes % 16 != 0 {
+        if slot_bytes == 0 || !slot_bytes.is_multiple_of(16) {
             return Err(invalid(format!("slot_bytes must be a positive multiple of 16, got {slot_bytes}")));
         }
         if step_bytes == 0 {

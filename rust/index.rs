@@ -76,9 +76,13 @@ pub struct StorePlan {
 
 #[derive(Debug)]
 enum TicketKind {
-    Load { hit_tokens: usize },
+    Load {
+        hit_tokens: usize,
+    },
     /// `lead`: the ticket's first `lead` pages are the prompt's pages 0..lead (what an L3 put may name).
-    Store { lead: usize },
+    Store {
+        lead: usize,
+    },
     /// Ready entries held while an L3 put reads them.
     Hold,
     /// Fresh entries being filled from L3.
@@ -326,7 +330,8 @@ impl Index {
         let keys = self.chain(request_id, namespace, tokens)?.to_vec();
         let bs = self.cfg.block_size;
         if keys.len() * bs < self.cfg.min_hit_tokens {
-            let ticket = self.issue(Ticket { kind: TicketKind::Store { lead: 0 }, pages: Vec::new(), states: Vec::new() });
+            let ticket =
+                self.issue(Ticket { kind: TicketKind::Store { lead: 0 }, pages: Vec::new(), states: Vec::new() });
             return Ok(StorePlan { ticket, ..StorePlan::default() });
         }
 
@@ -506,7 +511,9 @@ impl Index {
         }
         let key_of = |pool: &Pool, s: u32| pool.entry(s).map(|e| e.key);
         let page_keys: Vec<Key> = t.pages[..lead].iter().map_while(|&(s, _)| key_of(&self.pages, s)).collect();
-        let state_pages = t.states.iter()
+        let state_pages = t
+            .states
+            .iter()
             .filter(|&&(_, new)| new)
             .filter_map(|&(s, _)| key_of(&self.states, s))
             .filter_map(|k| page_keys.iter().rposition(|&p| p == k).map(|i| i + 1))

@@ -64,8 +64,12 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         ("index page_slots 0", lambda: kvtier.Index(0), ValueError, "page_slots"),
         ("index keep 0", lambda: kvtier.Index(4, keep_tokens=0), ValueError, "keep_tokens"),
         ("index hash kind", lambda: kvtier.Index(4, hash_kind="sha1"), ValueError, "sha1"),
-        ("seen-set capacity 0", lambda: kvtier.L3Planner(kvtier.Index(8), "fp", group_pages=1, page_base=1,
-                                                          page_bytes=1, seen_keys=0), ValueError, "capacity"),
+        (
+            "seen-set capacity 0",
+            lambda: kvtier.L3Planner(kvtier.Index(8), "fp", group_pages=1, page_base=1, page_bytes=1, seen_keys=0),
+            ValueError,
+            "capacity",
+        ),
         ("fingerprint bad field", lambda: kvtier.fingerprint({"a=b": "1"}), ValueError, "a=b"),
         # HostPrefixCache
         ("cache float prompt", lambda: c.store("r", np.ones(40), ok_table), TypeError, "float64"),

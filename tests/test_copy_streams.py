@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
@@ -24,8 +25,17 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def engine(layout: str, device: str = "cpu", **kw) -> Engine:
-    cfg = dict(num_gpu_blocks=36, num_state_rings=4, chunk_size=32, max_batch=3, layout=layout, layer_pattern="FFS",
-               device=device, ring_slack=32, num_layers=4)  # fmt: skip
+    cfg = dict(
+        num_gpu_blocks=36,
+        num_state_rings=4,
+        chunk_size=32,
+        max_batch=3,
+        layout=layout,
+        layer_pattern="FFS",
+        device=device,
+        ring_slack=32,
+        num_layers=4,
+    )
     cfg.update(kw)
     return Engine(EngineConfig.preset("tiny", **cfg))
 
@@ -103,8 +113,9 @@ def test_without_wait_layer_the_model_reads_too_early() -> None:
 
 def _pools(layers: int, segment: int, blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
-            for _ in range(layers)]  # fmt: skip
+    pool = [
+        torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(layers)
+    ]
     host = HostPool(slots, segment * layers, step_bytes=1 << 20)
     host.grow_to(slots)
     return pool, host

@@ -8,9 +8,20 @@ import pytest
 
 from kvtier.cli import main
 
-KEYS = ("tokens", "rust_lookup_us", "python_lookup_us", "rust_store_us", "python_store_us", "speedup_lookup",
-        "speedup_store", "hash_gbps_blake3", "hash_gbps_xxh3", "first_lookup_us", "rust_lookup_list_us",
-        "rust_store_list_us")  # fmt: skip
+KEYS = (
+    "tokens",
+    "rust_lookup_us",
+    "python_lookup_us",
+    "rust_store_us",
+    "python_store_us",
+    "speedup_lookup",
+    "speedup_store",
+    "hash_gbps_blake3",
+    "hash_gbps_xxh3",
+    "first_lookup_us",
+    "rust_lookup_list_us",
+    "rust_store_list_us",
+)
 
 
 def test_the_long_prompt_case_reports_every_figure(capsys):
@@ -23,8 +34,27 @@ def test_the_long_prompt_case_reports_every_figure(capsys):
 
 
 def test_the_trace_case_stays_available(capsys):
-    assert main(["bench", "index", "--trace", "--json", "--conversations", "2", "--turns", "3",
-                 "--system-tokens", "256", "--turn-tokens", "64", "--repeat", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "index",
+                "--trace",
+                "--json",
+                "--conversations",
+                "2",
+                "--turns",
+                "3",
+                "--system-tokens",
+                "256",
+                "--turn-tokens",
+                "64",
+                "--repeat",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["ops"] == 6 and out["hit_tokens"] > 0 and out["speedup_lookup"] > 0
 

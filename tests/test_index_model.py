@@ -398,8 +398,11 @@ def test_a_known_request_reads_only_its_new_tokens():
 def test_a_reused_request_id_is_refused_until_forgotten():
     ix = kvtier.Index(64, block_size=4)
     ix.lookup("r", list(range(40)))
-    for other, why in [(list(range(36)), "fewer than the 40"), (list(range(1, 41)), "first block"),
-                       (list(range(36)) + [0, 0, 0, 0], "tokens 36..40")]:  # fmt: skip
+    for other, why in [
+        (list(range(36)), "fewer than the 40"),
+        (list(range(1, 41)), "first block"),
+        (list(range(36)) + [0, 0, 0, 0], "tokens 36..40"),
+    ]:
         with pytest.raises(kvtier.PromptMismatchError, match=why) as e:
             ix.lookup("r", other)
         assert isinstance(e.value, ValueError) and "'r'" not in str(e.value) and '"r"' in str(e.value)

@@ -38,8 +38,15 @@ def work(seed: int) -> Conversations:
 
 
 def engine(**kw) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = dict(num_gpu_blocks=64, num_state_slots=4, chunk_size=32, max_batch=3, layer_pattern="FS", device="cpu",
-               ring_slack=32)  # fmt: skip
+    cfg = dict(
+        num_gpu_blocks=64,
+        num_state_slots=4,
+        chunk_size=32,
+        max_batch=3,
+        layer_pattern="FS",
+        device="cpu",
+        ring_slack=32,
+    )
     cfg.update(kw)
     return Engine(EngineConfig.preset("tiny", **cfg))
 
@@ -141,8 +148,16 @@ def child(master: str, out_path: str) -> None:
     cache.cache.index.check()
     cache.close()
     with open(out_path, "w") as f:
-        json.dump({"identical": outputs == off, "stats": s, "hashes": hashes,
-                   "put": sorted(keys["put"]), "got": sorted(keys["get"])}, f)  # fmt: skip
+        json.dump(
+            {
+                "identical": outputs == off,
+                "stats": s,
+                "hashes": hashes,
+                "put": sorted(keys["put"]),
+                "got": sorted(keys["get"]),
+            },
+            f,
+        )
 
 
 def test_second_process_hits_from_l3_with_exact_bytes(mooncake_server, tmp_path):
@@ -156,10 +171,13 @@ def test_second_process_hits_from_l3_with_exact_bytes(mooncake_server, tmp_path)
     cache.close()
 
     out = tmp_path / "child.json"
-    code = (f"import sys; sys.path[:0] = {json.dumps(sys.path)}; import test_l3_tier as t; "
-            "t.child(sys.argv[1], sys.argv[2])")  # fmt: skip
-    subprocess.run([sys.executable, "-c", code, mooncake_server.master_addr, str(out)], check=True, cwd=HERE,
-                   timeout=120)  # fmt: skip
+    code = (
+        f"import sys; sys.path[:0] = {json.dumps(sys.path)}; import test_l3_tier as t; "
+        "t.child(sys.argv[1], sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, mooncake_server.master_addr, str(out)], check=True, cwd=HERE, timeout=120
+    )
     r = json.loads(out.read_text())
     cs = r["stats"]
     assert r["identical"], "the second instance generated other tokens than recompute"
@@ -384,8 +402,15 @@ def test_a_store_that_raises_leaves_nothing_held(mooncake_server, exists_too):
     b = attach(engine(), mooncake_server.master_addr, l3_store=factory)
     assert w.run(b.engine) == w.run(engine())
     # Prompts the Store lacks: their puts get past exists().
-    fresh = Conversations(conversations=3, turns=2, system_tokens=64, user_tokens=40, answer_tokens=4,
-                          seed=61 + exists_too, prefix="fresh-")  # fmt: skip
+    fresh = Conversations(
+        conversations=3,
+        turns=2,
+        system_tokens=64,
+        user_tokens=40,
+        answer_tokens=4,
+        seed=61 + exists_too,
+        prefix="fresh-",
+    )
     assert fresh.run(b.engine) == fresh.run(engine())
     s = settle(b)
     b.cache.index.check()
@@ -455,9 +480,16 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
     gpu[:n_pages] = torch.randint(0, 256, (n_pages, page_bytes), dtype=torch.uint8)
 
     def cache() -> HostPrefixCache:
-        c = HostPrefixCache(gpu, block_size=bs, host_bytes=(n_pages + 64) * page_bytes, preallocate=True,
-                            l3="mooncake", l3_master=mooncake_server.master_addr, l3_deadline_ms=5000,
-                            fingerprint_fields={"test": "long"})  # fmt: skip
+        c = HostPrefixCache(
+            gpu,
+            block_size=bs,
+            host_bytes=(n_pages + 64) * page_bytes,
+            preallocate=True,
+            l3="mooncake",
+            l3_master=mooncake_server.master_addr,
+            l3_deadline_ms=5000,
+            fingerprint_fields={"test": "long"},
+        )
         assert c._l3.wait_connected(15)
         return c
 
@@ -493,10 +525,12 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
     assert hit == n_pages * bs and s["l3_pages_loaded"] == n_pages, s
     assert torch.equal(gpu[:n_pages], expect)
     no_copy = sorted(times[:-1])  # the last call is the host hit, whose copy is a synchronous memcpy on the CPU
-    print(f"\nengine-loop calls during a 32K-token L3 fetch: {len(no_copy)} calls, max {no_copy[-1][0] * 1e3:.2f} ms "
-          f"({no_copy[-1][1]}), p50 {no_copy[len(no_copy) // 2][0] * 1e3:.3f} ms; the hit with its "
-          f"{n_pages * page_bytes >> 20} MiB memcpy {times[-1][0] * 1e3:.2f} ms; fetch "
-          f"{s['l3_get_seconds'] * 1e3:.1f} ms")  # fmt: skip
+    print(
+        f"\nengine-loop calls during a 32K-token L3 fetch: {len(no_copy)} calls, max {no_copy[-1][0] * 1e3:.2f} ms "
+        f"({no_copy[-1][1]}), p50 {no_copy[len(no_copy) // 2][0] * 1e3:.3f} ms; the hit with its "
+        f"{n_pages * page_bytes >> 20} MiB memcpy {times[-1][0] * 1e3:.2f} ms; fetch "
+        f"{s['l3_get_seconds'] * 1e3:.1f} ms"
+    )
     # A functional bound, not the speed target (1 ms; docs/PERFORMANCE.md): no call waits for the Store's get.
     assert no_copy[-1][0] < 0.05, no_copy[-3:]
     a.close()
@@ -549,9 +583,16 @@ def counts() -> tuple[int, int]:
 
 def test_caches_dropped_without_close_release_threads_and_fds(mooncake_server):
     def make() -> HostPrefixCache:
-        c = HostPrefixCache(torch.zeros((16, 4096), dtype=torch.uint8), block_size=16, host_bytes=16 * 4096,
-                            preallocate=True, l3="mooncake", l3_master=mooncake_server.master_addr,
-                            l3_buffer_bytes=1 << 20, fingerprint_fields={})  # fmt: skip
+        c = HostPrefixCache(
+            torch.zeros((16, 4096), dtype=torch.uint8),
+            block_size=16,
+            host_bytes=16 * 4096,
+            preallocate=True,
+            l3="mooncake",
+            l3_master=mooncake_server.master_addr,
+            l3_buffer_bytes=1 << 20,
+            fingerprint_fields={},
+        )
         assert c._l3.wait_connected(15)
         return c
 

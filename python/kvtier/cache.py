@@ -238,17 +238,32 @@ class HostPrefixCache:
             from kvtier.l3.tier import L3Tier
 
             if fingerprint_fields is None:
-                raise ValueError("l3='mooncake' needs fingerprint_fields naming the model (its config and weights "
-                                 "identity), or fingerprint_fields={} to say that the page geometry alone decides "
-                                 "the bytes")  # fmt: skip
+                raise ValueError(
+                    "l3='mooncake' needs fingerprint_fields naming the model (its config and weights "
+                    "identity), or fingerprint_fields={} to say that the page geometry alone decides "
+                    "the bytes"
+                )
             if shard is not None and not isinstance(shard, Shard):
                 raise TypeError(f"shard must be a kvtier.l3.Shard, got {type(shard).__name__}")
             layout = "page-first" if isinstance(pages, torch.Tensor) else f"layer-first/{len(layers)}"
-            fields = layout_fields(page_bytes=self.page_bytes, state_bytes=self.state_bytes, block_size=block_size,
-                                   layout=layout, hash_kind=self.index.hash_kind, key_id=self.index.key_id,
-                                   shard=shard or Shard(), model_fields=fingerprint_fields)  # fmt: skip
-            self._l3 = L3Tier(s, index=self.index, page_pool=self._host_pages, state_pool=self._host_states,
-                              fingerprint_fields=fields, store_factory=l3_store)  # fmt: skip
+            fields = layout_fields(
+                page_bytes=self.page_bytes,
+                state_bytes=self.state_bytes,
+                block_size=block_size,
+                layout=layout,
+                hash_kind=self.index.hash_kind,
+                key_id=self.index.key_id,
+                shard=shard or Shard(),
+                model_fields=fingerprint_fields,
+            )
+            self._l3 = L3Tier(
+                s,
+                index=self.index,
+                page_pool=self._host_pages,
+                state_pool=self._host_states,
+                fingerprint_fields=fields,
+                store_factory=l3_store,
+            )
         if s.preallocate:
             self._grow_all()
 

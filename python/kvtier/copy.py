@@ -27,8 +27,17 @@ from kvtier._core import PageCopier as _CorePageCopier
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["METHODS", "CompletionQueue", "CopyError", "CopyEvent", "CopyStream", "HostPool", "PageCopier",
-           "dma_supported", "host_array"]  # fmt: skip
+__all__ = [
+    "METHODS",
+    "CompletionQueue",
+    "CopyError",
+    "CopyEvent",
+    "CopyStream",
+    "HostPool",
+    "PageCopier",
+    "dma_supported",
+    "host_array",
+]
 
 METHODS = ("auto", "kernel", "dma")
 
@@ -182,13 +191,15 @@ class PageCopier:
     def to_host(self, gpu_ids: Any, host_slots: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
         """Copy GPU blocks ``gpu_ids[i]`` into host slots ``host_slots[i]`` (int32 ids); ``layers=(a, b)``: only
         the segments of layers a..b-1. Returns what carried it: "kernel", "dma" or "memcpy"."""
-        return self._core.to_host(_ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream),
-                                  layers)  # fmt: skip
+        return self._core.to_host(
+            _ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream), layers
+        )
 
     def to_gpu(self, host_slots: Any, gpu_ids: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
         """Copy host slots ``host_slots[i]`` into GPU blocks ``gpu_ids[i]`` (int32 ids); see ``to_host``."""
-        return self._core.to_gpu(_ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream),
-                                 layers)  # fmt: skip
+        return self._core.to_gpu(
+            _ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream), layers
+        )
 
     def completion_queue(self) -> CompletionQueue:
         """A completion queue for this copier's device (a CPU queue for a CPU pool)."""

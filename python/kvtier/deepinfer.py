@@ -102,11 +102,19 @@ def engine_shard(engine: Any) -> Any:
     }
     return Shard(**dims, kv_replicated=bool(getattr(engine, "kv_replicated", False)))
 
+
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
 
-    def __init__(self, engine: Any, *, size_bytes: int | None = None, num_state_slots: int | None = None,
-                 staging_slots: int | None = None, **settings: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        size_bytes: int | None = None,
+        num_state_slots: int | None = None,
+        staging_slots: int | None = None,
+        **settings: Any,
+    ) -> None:
         self.engine = engine
         pages = engine.gpu_blocks if getattr(engine, "gpu_blocks", None) is not None else engine.gpu_layers
         has_state = getattr(engine, "gpu_states", None) is not None and getattr(engine, "state_bytes", 0) > 0

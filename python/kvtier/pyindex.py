@@ -138,10 +138,22 @@ class PyIndex:
         self.tickets: dict[int, Ticket] = {}
         self.next_ticket = 1
         self.stats = dict.fromkeys(
-            ["lookups", "hits", "hit_tokens", "lookup_tokens", "deferred", "stores", "store_skipped",
-             "pages_stored", "pages_loaded", "states_stored", "states_loaded", "errors"],
+            [
+                "lookups",
+                "hits",
+                "hit_tokens",
+                "lookup_tokens",
+                "deferred",
+                "stores",
+                "store_skipped",
+                "pages_stored",
+                "pages_loaded",
+                "states_stored",
+                "states_loaded",
+                "errors",
+            ],
             0,
-        )  # fmt: skip
+        )
 
     def chain(self, request_id: str, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
         keys = self.chain_fn(request_id, namespace, tokens)

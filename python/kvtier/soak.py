@@ -150,8 +150,13 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         def faulty(config: StoreConfig) -> Store:
             return FaultyStore(MooncakeStore(config), rng, fault_p, summary)
 
-        l3_settings = {"l3": "mooncake", "l3_master": l3.master_addr, "l3_group_pages": rng.choice([1, 2, 4]),
-                       "l3_deadline_ms": rng.choice([5, 50, 500]), "l3_store": faulty}  # fmt: skip
+        l3_settings = {
+            "l3": "mooncake",
+            "l3_master": l3.master_addr,
+            "l3_group_pages": rng.choice([1, 2, 4]),
+            "l3_deadline_ms": rng.choice([5, 50, 500]),
+            "l3_store": faulty,
+        }
     cache = Cache(
         engine,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
@@ -168,8 +173,9 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         inner._l3.wait_connected(10)
         if summary.l3_restarts == 0 and summary.rounds >= 2:
             restart_at = rng.randint(5, 40)  # restart the master once, in the middle of a round
-    inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)
-    inner._copy_pages.to_host = flaky(inner._copy_pages.to_host, rng, fault_p, summary)
+    # Copy faults: the copier's launches fail at random (the copier has no fault seam of its own).
+    inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)  # type: ignore[method-assign]
+    inner._copy_pages.to_host = flaky(inner._copy_pages.to_host, rng, fault_p, summary)  # type: ignore[method-assign]
     if has_state:
         inner._select_state = flaky(inner._select_state, rng, fault_p, summary)
         inner._load_state = flaky(inner._load_state, rng, fault_p, summary)
@@ -211,8 +217,9 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     summary.evicted += s["pages_evicted"]
 
 
-def soak(seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000,
-         l3: Any = None) -> Summary:  # fmt: skip
+def soak(
+    seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000, l3: Any = None
+) -> Summary:
     """Rounds until ``seconds`` are spent. ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3
     tier (with injected Store faults and one master restart) under the same test."""
     rng = random.Random(seed)

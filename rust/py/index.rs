@@ -40,7 +40,10 @@ pub struct PyLookup {
 #[pymethods]
 impl PyLookup {
     fn __repr__(&self) -> String {
-        format!("Lookup(hit_tokens={}, ready_pages={}, limit_pages={})", self.hit_tokens, self.ready_pages, self.limit_pages)
+        format!(
+            "Lookup(hit_tokens={}, ready_pages={}, limit_pages={})",
+            self.hit_tokens, self.ready_pages, self.limit_pages
+        )
     }
 }
 
@@ -194,7 +197,13 @@ impl PyIndex {
     /// `forget`: a known request's prompt must extend what was hashed (PromptMismatchError otherwise), and only
     /// its new full blocks are read and hashed.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
-    fn chain(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u128>> {
+    fn chain(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u128>> {
         let ns = namespace_bytes(namespace)?;
         self.with_prompt(py, request_id, token_ids, |ix, t| ix.chain(request_id, &ns, t).map(<[u128]>::to_vec))
     }
@@ -208,7 +217,13 @@ impl PyIndex {
     /// however often it is retried. The prompt must extend what was hashed for the request (see `chain`); a call
     /// for a request already hashed costs its new tokens and the pages walked, not the prompt.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
-    fn lookup(&self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<PyLookup> {
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyLookup> {
         let ns = namespace_bytes(namespace)?;
         let l = self.with_prompt(py, request_id, token_ids, |ix, t| ix.lookup(request_id, &ns, t))?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
@@ -272,7 +287,10 @@ impl PyIndex {
             if let Some(bt) = bt {
                 let full = t.len() / ix.config().block_size;
                 if bt.len() < full {
-                    return Err(invalid(format!("block_table has {} blocks, the prompt has {full} full blocks", bt.len())));
+                    return Err(invalid(format!(
+                        "block_table has {} blocks, the prompt has {full} full blocks",
+                        bt.len()
+                    )));
                 }
                 if let Some(i) = bt[..full].iter().position(|&b| b < 0) {
                     return Err(invalid(format!("block_table[{i}] = {} is negative", bt[i])));

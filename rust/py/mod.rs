@@ -70,7 +70,10 @@ pub(crate) fn int32s<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Int32
     if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
         let ro = arr.try_readonly().map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
         if ro.as_slice().is_err() {
-            return Err(PyValueError::new_err(format!("{what} must be a contiguous array, got strides {:?}", arr.strides())));
+            return Err(PyValueError::new_err(format!(
+                "{what} must be a contiguous array, got strides {:?}",
+                arr.strides()
+            )));
         }
         return Ok(Int32s::Array(ro));
     }
@@ -167,7 +170,10 @@ impl<'py> Prompt<'py> {
             return Err(PyValueError::new_err(format!("token_ids must be 1-D, got shape {:?}", arr.shape())));
         }
         if !arr.is_contiguous() {
-            return Err(PyValueError::new_err(format!("token_ids must be contiguous, got strides {:?}", arr.strides())));
+            return Err(PyValueError::new_err(format!(
+                "token_ids must be contiguous, got strides {:?}",
+                arr.strides()
+            )));
         }
         match ArrayIds::of(&arr)? {
             Some(ids) => Ok(Self::Array(ids)),
@@ -188,11 +194,10 @@ impl TokenIds for Window {
     }
     fn read(&self, start: usize, out: &mut [i32]) -> crate::error::Result<()> {
         let end = start + out.len();
-        let (from, ids) = self
-            .pieces
-            .iter()
-            .find(|(from, ids)| *from <= start && end <= from + ids.len())
-            .ok_or_else(|| invalid(format!("token_ids {start}..{end} were not read: the request changed meanwhile")))?;
+        let (from, ids) =
+            self.pieces.iter().find(|(from, ids)| *from <= start && end <= from + ids.len()).ok_or_else(|| {
+                invalid(format!("token_ids {start}..{end} were not read: the request changed meanwhile"))
+            })?;
         out.copy_from_slice(&ids[start - from..end - from]);
         Ok(())
     }

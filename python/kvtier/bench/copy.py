@@ -348,26 +348,34 @@ def _emit(row: dict[str, Any], as_json: bool) -> None:
         return
     kind = row["kind"]
     if kind == "pin":
-        print(f"host pool: backed and pinned {row['gib']:.1f} GiB in {row['seconds']:.2f} s = {row['gibps']:.2f} GiB/s "
-              f"(steps of {row['step_bytes'] >> 20} MiB, longest {row['max_step_ms']:.0f} ms, pinned={row['pinned']})",
-              flush=True)  # fmt: skip
+        print(
+            f"host pool: backed and pinned {row['gib']:.1f} GiB in {row['seconds']:.2f} s = {row['gibps']:.2f} GiB/s "
+            f"(steps of {row['step_bytes'] >> 20} MiB, longest {row['max_step_ms']:.0f} ms, pinned={row['pinned']})",
+            flush=True,
+        )
     elif kind == "gemm_alone":
         print(f"GEMM alone: {row['tflops_before']} TFLOP/s before, {row['tflops_after']} after", flush=True)
     elif kind == "gemm":
         if kind not in _HEADER:
             print(f"{'dir':<5}{'page':>9}{'method':>8}{'used':>8}{'TFLOP/s':>9}{'alone':>8}{'loss':>8}{'GB/s':>7}")
             _HEADER.add(kind)
-        print(f"{row['direction']:<5}{row['page_bytes']:>9}{row['method']:>8}{row['used']:>8}"
-              f"{row['gemm_tflops_during']:>9.1f}{row['gemm_tflops_alone']:>8.1f}{row['loss']:>8.1%}{row['copy_gbps']:>7.1f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{row['direction']:<5}{row['page_bytes']:>9}{row['method']:>8}{row['used']:>8}"
+            f"{row['gemm_tflops_during']:>9.1f}{row['gemm_tflops_alone']:>8.1f}{row['loss']:>8.1%}{row['copy_gbps']:>7.1f}",
+            flush=True,
+        )
     else:
         if kind not in _HEADER:
-            print(f"{'layout':<12}{'dir':<6}{'page':>9}{'piece':>9}{'method':>8}{'used':>8}{'ctas':>6}{'GB/s':>8}"
-                  f"{'memcpy':>8}{'ratio':>7}")  # fmt: skip
+            print(
+                f"{'layout':<12}{'dir':<6}{'page':>9}{'piece':>9}{'method':>8}{'used':>8}{'ctas':>6}{'GB/s':>8}"
+                f"{'memcpy':>8}{'ratio':>7}"
+            )
             _HEADER.add(kind)
-        print(f"{row['layout']:<12}{row['direction']:<6}{row['page_bytes']:>9}{row['piece_bytes']:>9}{row['method']:>8}"
-              f"{row['used']:>8}{row['ctas']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{row['layout']:<12}{row['direction']:<6}{row['page_bytes']:>9}{row['piece_bytes']:>9}{row['method']:>8}"
+            f"{row['used']:>8}{row['ctas']:>6}{row['gbps']:>8.1f}{row['memcpy_gbps']:>8.1f}{row['ratio']:>7.3f}",
+            flush=True,
+        )
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

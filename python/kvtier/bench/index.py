@@ -202,8 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     if a.trace:
-        print(f"{out['ops']} turns, {out['tokens']} prompt tokens ({out['avg_prompt_tokens']:.0f} a prompt), "
-              f"{out['hit_tokens']} hit tokens")  # fmt: skip
+        print(
+            f"{out['ops']} turns, {out['tokens']} prompt tokens ({out['avg_prompt_tokens']:.0f} a prompt), "
+            f"{out['hit_tokens']} hit tokens"
+        )
         print(f"{'op':<8} {'rust us':>10} {'python us':>10} {'speedup':>8}")
         for op in ("lookup", "store"):
             r, p = out[f"rust_{op}_us"], out[f"python_{op}_us"]

@@ -71,9 +71,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with _master(args) as master:
 
         def cache() -> HostPrefixCache:
-            c = HostPrefixCache(gpu, block_size=bs, host_bytes=(pages + 8) * page, preallocate=True, l3="mooncake",
-                                l3_master=master, l3_group_pages=G, l3_deadline_ms=60_000,
-                                fingerprint_fields={"bench": run_id})  # fmt: skip
+            c = HostPrefixCache(
+                gpu,
+                block_size=bs,
+                host_bytes=(pages + 8) * page,
+                preallocate=True,
+                l3="mooncake",
+                l3_master=master,
+                l3_group_pages=G,
+                l3_deadline_ms=60_000,
+                fingerprint_fields={"bench": run_id},
+            )
             if not c._l3.wait_connected(20):
                 raise RuntimeError(f"no Mooncake master at {master}")
             return c
@@ -127,7 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         raise RuntimeError(f"raw get failed: {got}")
 
                 # Alternate which side goes first, so that neither always meets a warm (or cold) Store.
-                for step in (tier_put, raw_put, tier_get, raw_get) if r % 2 == 0 else (raw_put, tier_put, raw_get, tier_get):
+                for step in (
+                    (tier_put, raw_put, tier_get, raw_get) if r % 2 == 0 else (raw_put, tier_put, raw_get, tier_get)
+                ):
                     step()
                 # A miss: a prompt nothing has stored.
                 other = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
@@ -145,8 +155,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 miss_raw.append(time.perf_counter() - t0)
             ws, rs = writer.stats(), reader.stats()
             if ws["l3_puts_failed"] or rs["l3_gets_failed"] or rs["l3_pages_loaded"] != pages * args.rounds:
-                    raise RuntimeError(f"the tier dropped work: puts failed {ws['l3_puts_failed']}, "
-                                   f"gets failed {rs['l3_gets_failed']}, pages loaded {rs['l3_pages_loaded']}")
+                raise RuntimeError(
+                    f"the tier dropped work: puts failed {ws['l3_puts_failed']}, "
+                    f"gets failed {rs['l3_gets_failed']}, pages loaded {rs['l3_pages_loaded']}"
+                )
         finally:
             raw.unregister(buf.ctypes.data)
             raw.close(timeout_s=5)
@@ -194,14 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(r))
         return 0
     mib = 1 << 20
-    print(f"L3 tier vs raw Mooncake Store, {r['groups_per_batch']} objects of {r['group_pages']} x "
-          f"{r['page_bytes'] // 1024} KiB pages a batch ({r['batch_bytes'] / mib:.0f} MiB), median of {r['rounds']}")  # fmt: skip
+    print(
+        f"L3 tier vs raw Mooncake Store, {r['groups_per_batch']} objects of {r['group_pages']} x "
+        f"{r['page_bytes'] // 1024} KiB pages a batch ({r['batch_bytes'] / mib:.0f} MiB), median of {r['rounds']}"
+    )
     print(f"{'':<28} {'tier':>10} {'raw':>10} {'tier/raw':>9}")
     print(f"{'put (GB/s)':<28} {r['put_tier_gbps']:>10.3f} {r['put_raw_gbps']:>10.3f} {r['put_tier_vs_raw']:>9.2f}")
     print(f"{'get (GB/s)':<28} {r['get_tier_gbps']:>10.3f} {r['get_raw_gbps']:>10.3f} {r['get_tier_vs_raw']:>9.2f}")
     print(f"{'miss: lookup (ms)':<28} {r['miss_tier_ms']:>10.3f} {r['miss_raw_exists_ms']:>10.3f}")
-    print(f"engine-loop call that starts a fetch: p50 {r['loop_call_start_fetch_ms_p50']:.3f} ms, "
-          f"max {r['loop_call_start_fetch_ms_max']:.3f} ms")
+    print(
+        f"engine-loop call that starts a fetch: p50 {r['loop_call_start_fetch_ms_p50']:.3f} ms, "
+        f"max {r['loop_call_start_fetch_ms_max']:.3f} ms"
+    )
     return 0
 
 

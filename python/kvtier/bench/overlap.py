@@ -100,9 +100,17 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     bs = 16
     pre, suf = args.prefix_tokens, args.suffix_tokens
     blocks_per_seq = -(-(pre + suf + 1) // bs)
-    config = EngineConfig.preset(args.model, device=args.device, dtype="bfloat16", layout=layout, block_size=bs,
-                                 num_gpu_blocks=3 * blocks_per_seq, chunk_size=suf + 1024, max_batch=4,
-                                 num_state_rings=4)  # fmt: skip
+    config = EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype="bfloat16",
+        layout=layout,
+        block_size=bs,
+        num_gpu_blocks=3 * blocks_per_seq,
+        chunk_size=suf + 1024,
+        max_batch=4,
+        num_state_rings=4,
+    )
     engine = Engine(config)
     rng = np.random.default_rng(0)
     vocab = config.vocab
@@ -160,9 +168,17 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     host.close()
     load = statistics.median(loads)
     prefill = statistics.median(out["prefill_alone"])
-    row: dict[str, Any] = {"kind": "ttft", "layout": layout, "model": args.model, "prefix": pre, "suffix": suf,
-                           "page_bytes": page_bytes, "load_method": used, "load_alone_ms": round(load * 1e3, 2),
-                           "load_gbps": round(n * page_bytes / load / 1e9, 1)}  # fmt: skip
+    row: dict[str, Any] = {
+        "kind": "ttft",
+        "layout": layout,
+        "model": args.model,
+        "prefix": pre,
+        "suffix": suf,
+        "page_bytes": page_bytes,
+        "load_method": used,
+        "load_alone_ms": round(load * 1e3, 2),
+        "load_gbps": round(n * page_bytes / load / 1e9, 1),
+    }
     for k, v in out.items():
         row[f"{k}_ms"] = round(statistics.median(v) * 1e3, 2)
     row["layerwise_over_max"] = round(statistics.median(out["layerwise_loads"]) / max(load, prefill), 3)
@@ -183,16 +199,29 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     store_blocks = pre // bs
     steps_total = 20 + args.stores * 12
     num_blocks = store_blocks + args.decode_seqs * (-(-(512 + steps_total) // bs)) + 8
-    config = EngineConfig.preset(args.model, device=args.device, dtype="bfloat16", layout=layout, block_size=bs,
-                                 num_gpu_blocks=num_blocks,
-                                 max_batch=args.decode_seqs, chunk_size=512,
-                                 num_state_rings=args.decode_seqs + 1)  # fmt: skip
+    config = EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype="bfloat16",
+        layout=layout,
+        block_size=bs,
+        num_gpu_blocks=num_blocks,
+        max_batch=args.decode_seqs,
+        chunk_size=512,
+        num_state_rings=args.decode_seqs + 1,
+    )
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(1)
     for streams in (True, False):
         engine = Engine(config)
-        cache = Cache(engine, size_bytes=3 * store_blocks * engine.page_bytes, num_state_slots=64, preallocate=True,
-                      copy_method=args.method, copy_streams=streams)  # fmt: skip
+        cache = Cache(
+            engine,
+            size_bytes=3 * store_blocks * engine.page_bytes,
+            num_state_slots=64,
+            preallocate=True,
+            copy_method=args.method,
+            copy_streams=streams,
+        )
         engine.cache = cache
         for i in range(args.decode_seqs):
             engine.add_request(f"d{i}", rng.integers(0, config.vocab, 512).tolist(), steps_total)
@@ -231,12 +260,19 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
             cache.release(table)
             cache.forget(f"s{k}")
         s = cache.stats_dict()
-        row = {"kind": "decode", "layout": layout, "copy_streams": streams, "method": args.method,
-               "store_mib": round(store_blocks * engine.page_bytes / 2**20, 1), "decode_seqs": args.decode_seqs,
-               "step_ms_base": round(statistics.mean(base) * 1e3, 3),
-               "step_ms_during_store": round(statistics.mean(during) * 1e3, 3) if during else None,
-               "steps_during_store": len(during), "store_call_ms": round(statistics.median(store_call) * 1e3, 3),
-               "pages_stored": s["pages_stored"]}  # fmt: skip
+        row = {
+            "kind": "decode",
+            "layout": layout,
+            "copy_streams": streams,
+            "method": args.method,
+            "store_mib": round(store_blocks * engine.page_bytes / 2**20, 1),
+            "decode_seqs": args.decode_seqs,
+            "step_ms_base": round(statistics.mean(base) * 1e3, 3),
+            "step_ms_during_store": round(statistics.mean(during) * 1e3, 3) if during else None,
+            "steps_during_store": len(during),
+            "store_call_ms": round(statistics.median(store_call) * 1e3, 3),
+            "pages_stored": s["pages_stored"],
+        }
         if during:
             row["growth"] = round(statistics.mean(during) / statistics.mean(base) - 1, 4)
         rows.append(row)

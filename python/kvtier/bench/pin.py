@@ -34,8 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = parser("kvtier bench pin", __doc__.splitlines()[0])
     ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
-    ap.add_argument("--pin-step-mib", "--chunk-mib", dest="chunk_mib", type=at_least(1), default=16,
-                    help="pin step, in MiB (--chunk-mib is its old name)")  # fmt: skip
+    ap.add_argument(
+        "--pin-step-mib",
+        "--chunk-mib",
+        dest="chunk_mib",
+        type=at_least(1),
+        default=16,
+        help="pin step, in MiB (--chunk-mib is its old name)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset of the reference engine")
     ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="serve this long after pinning")
@@ -48,8 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.workload import Conversations
 
     engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
-    cache = Cache(engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096,
-                  pin_step_bytes=a.chunk_mib << 20)  # fmt: skip
+    cache = Cache(
+        engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096, pin_step_bytes=a.chunk_mib << 20
+    )
     calls: list[tuple[float, float, str]] = []
     for name in ("try_resume", "on_prefill_step", "poll"):
         setattr(cache, name, timed(getattr(cache, name), calls, name))
@@ -67,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     watcher.start()
     seed = 0
     while time.perf_counter() - t_start < a.max_seconds:
-        work = Conversations(conversations=8, turns=2, system_tokens=512, user_tokens=64, answer_tokens=8,
-                             seed=seed, prefix=f"s{seed}-")  # fmt: skip
+        work = Conversations(
+            conversations=8, turns=2, system_tokens=512, user_tokens=64, answer_tokens=8, seed=seed, prefix=f"s{seed}-"
+        )
         work.run(engine)
         seed += 1
         if pinned_at and time.perf_counter() - pinned_at[0] > a.after_seconds:
@@ -81,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     first_store = min((t for t, _, name in calls if name == "on_prefill_step"), default=t_start)
     during = [d for t, d, _ in calls if t_pinned is None or t < t_pinned]
     after = [d for t, d, _ in calls if t_pinned is not None and t >= t_pinned]
-    slowest = {name: max((d for _, d, n in calls if n == name), default=0.0) * 1e3
-               for name in ("try_resume", "on_prefill_step", "poll")}  # fmt: skip
+    slowest = {
+        name: max((d for _, d, n in calls if n == name), default=0.0) * 1e3
+        for name in ("try_resume", "on_prefill_step", "poll")
+    }
     pin_s = (t_pinned - first_store) if t_pinned else float("nan")
     out = {
         "host_gib": a.host_gib,

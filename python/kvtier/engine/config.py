@@ -56,8 +56,18 @@ class EngineConfig:
     def __post_init__(self, num_state_slots: int | None = None) -> None:
         if num_state_slots is not None:
             object.__setattr__(self, "num_state_rings", num_state_slots)
-        for name in ("vocab", "hidden", "num_layers", "heads", "head_dim", "window", "block_size",
-                     "num_gpu_blocks", "chunk_size", "max_batch"):
+        for name in (
+            "vocab",
+            "hidden",
+            "num_layers",
+            "heads",
+            "head_dim",
+            "window",
+            "block_size",
+            "num_gpu_blocks",
+            "chunk_size",
+            "max_batch",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -73,18 +83,22 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.head_dim must be even (rotary embedding), got {self.head_dim!r}")
         pattern = self.layer_pattern
         if not isinstance(pattern, str) or not pattern or set(pattern) - {FULL, SLIDING}:
-            raise ValueError(f"EngineConfig.layer_pattern must be a non-empty string of 'F' and 'S', "
-                             f"got {self.layer_pattern!r}")
+            raise ValueError(
+                f"EngineConfig.layer_pattern must be a non-empty string of 'F' and 'S', got {self.layer_pattern!r}"
+            )
         if FULL not in self.layer_kinds:
-            raise ValueError(f"EngineConfig.layer_pattern {self.layer_pattern!r} over {self.num_layers} layers "
-                             f"has no full-attention layer, so no paged pool")
+            raise ValueError(
+                f"EngineConfig.layer_pattern {self.layer_pattern!r} over {self.num_layers} layers "
+                f"has no full-attention layer, so no paged pool"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(f"EngineConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.chunk_size % self.block_size:
-            raise ValueError(f"EngineConfig.chunk_size {self.chunk_size!r} must be a multiple of "
-                             f"block_size {self.block_size!r}")
+            raise ValueError(
+                f"EngineConfig.chunk_size {self.chunk_size!r} must be a multiple of block_size {self.block_size!r}"
+            )
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -94,17 +108,24 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device {self.device!r} asks for CUDA, which is not available")
         if self.num_sliding_layers and self.ring_size < self.block_size:
-            raise ValueError(f"window + ring_slack ({self.window!r} + {self.ring_slack!r}) must be at least "
-                             f"block_size {self.block_size!r}: a ring holds at least one block's positions")
+            raise ValueError(
+                f"window + ring_slack ({self.window!r} + {self.ring_slack!r}) must be at least "
+                f"block_size {self.block_size!r}: a ring holds at least one block's positions"
+            )
         if self.num_sliding_layers and self.num_state_rings < 1:
-            raise ValueError(f"EngineConfig.num_state_rings must be at least 1 with sliding layers, "
-                             f"got {self.num_state_rings!r}")
+            raise ValueError(
+                f"EngineConfig.num_state_rings must be at least 1 with sliding layers, got {self.num_state_rings!r}"
+            )
         if self.block_bytes_per_layer % 16:
-            raise ValueError(f"bytes of one layer's block (2 * block_size * heads * head_dim * itemsize = "
-                             f"{self.block_bytes_per_layer}) must be a multiple of 16")
+            raise ValueError(
+                f"bytes of one layer's block (2 * block_size * heads * head_dim * itemsize = "
+                f"{self.block_bytes_per_layer}) must be a multiple of 16"
+            )
         if self.num_sliding_layers and (self.state_bytes % 16 or self.state_slot_bytes % 16):
-            raise ValueError(f"state bytes ({self.state_bytes}) and ring bytes ({self.state_slot_bytes}) must be "
-                             f"multiples of 16; window={self.window!r}, ring_slack={self.ring_slack!r}")
+            raise ValueError(
+                f"state bytes ({self.state_bytes}) and ring bytes ({self.state_slot_bytes}) must be "
+                f"multiples of 16; window={self.window!r}, ring_slack={self.ring_slack!r}"
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> EngineConfig:

@@ -59,7 +59,14 @@ def layout_fields(
     model_fields: Mapping[str, object],
 ) -> dict[str, str]:
     """Every field of a cache's fingerprint; ``model_fields`` are the engine's or caller's (prefixed ``engine.``)."""
-    fields = {"page_bytes": str(page_bytes), "state_bytes": str(state_bytes), "block_size": str(block_size),
-              "layout": layout, "hash_kind": hash_kind, "key_id": key_id, **shard.fields()}  # fmt: skip
+    fields = {
+        "page_bytes": str(page_bytes),
+        "state_bytes": str(state_bytes),
+        "block_size": str(block_size),
+        "layout": layout,
+        "hash_kind": hash_kind,
+        "key_id": key_id,
+        **shard.fields(),
+    }
     fields.update({f"engine.{k}": str(v) for k, v in model_fields.items()})
     return fields

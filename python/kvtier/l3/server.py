@@ -191,14 +191,14 @@ class LocalMooncake:
 
     @property
     def master_addr(self) -> str:
-        """"127.0.0.1:<port>" of the master's RPC service (what clients pass as master_server_address)."""
+        """ "127.0.0.1:<port>" of the master's RPC service (what clients pass as master_server_address)."""
         if not self.master_port:
             raise MooncakeServerError("LocalMooncake is not started")
         return f"{LOOPBACK}:{self.master_port}"
 
     @property
     def holder_addr(self) -> str | None:
-        """"127.0.0.1:<port>" of the holder's service, or None when no holder runs."""
+        """ "127.0.0.1:<port>" of the holder's service, or None when no holder runs."""
         return f"{LOOPBACK}:{self.holder_port}" if self._holder is not None else None
 
     @property

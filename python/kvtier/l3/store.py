@@ -205,8 +205,12 @@ class StoreWrapper:
 MAX_BATCH_PIECES = 2048
 
 
-def _in_batches(fn: Callable[[list[str], list[list[int]], list[list[int]]], list[int]], keys: list[str],
-                ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:  # fmt: skip
+def _in_batches(
+    fn: Callable[[list[str], list[list[int]], list[list[int]]], list[int]],
+    keys: list[str],
+    ptrs: list[list[int]],
+    sizes: list[list[int]],
+) -> list[int]:
     """``fn`` over consecutive runs of keys with at most MAX_BATCH_PIECES pieces each; the codes concatenated."""
     out: list[int] = []
     start = pieces = 0
@@ -380,8 +384,15 @@ class MooncakeStore:
         """Put each key's buffers, concatenated, as one object. 0 per stored key (also when the key existed: the
         first writer wins, nothing is overwritten), NO_SPACE when the Store is full, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded("put", len(keys), _in_batches, self._put_batch, list(keys),
-                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
+        return self._guarded(
+            "put",
+            len(keys),
+            _in_batches,
+            self._put_batch,
+            list(keys),
+            [list(p) for p in ptrs_per_key],
+            [list(s) for s in sizes_per_key],
+        )
 
     def _put_batch(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         return list(self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate))
@@ -397,8 +408,15 @@ class MooncakeStore:
         """Read each key's object into its buffers, in order. Bytes read per key, OBJECT_NOT_FOUND for a missing
         (or meanwhile evicted) key, INVALID_PARAMS when the buffers are too small, other codes on failure."""
         _check_buffers(keys, ptrs_per_key, sizes_per_key)
-        return self._guarded("get", len(keys), _in_batches, self._get_sized, list(keys),
-                             [list(p) for p in ptrs_per_key], [list(s) for s in sizes_per_key])  # fmt: skip
+        return self._guarded(
+            "get",
+            len(keys),
+            _in_batches,
+            self._get_sized,
+            list(keys),
+            [list(p) for p in ptrs_per_key],
+            [list(s) for s in sizes_per_key],
+        )
 
     def _get_sized(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """Mooncake answers a value shorter than the buffers with TRANSFER_FAIL, the code of a failing transfer

@@ -51,9 +51,23 @@ _CONNECT_BACKOFF_S = (0.5, 10.0)
 # What a shutdown that ran out of time could not free: a native call may still use it.
 _LEAKED: list[Any] = []
 
-COUNTERS = ("lookups", "hits", "misses", "pages_loaded", "states_loaded", "bytes_loaded", "gets_failed",
-            "deadline_passed", "rejected", "rejected_removed", "puts_submitted", "puts_present", "puts_failed",
-            "bytes_put", "errors")  # fmt: skip
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "pages_loaded",
+    "states_loaded",
+    "bytes_loaded",
+    "gets_failed",
+    "deadline_passed",
+    "rejected",
+    "rejected_removed",
+    "puts_submitted",
+    "puts_present",
+    "puts_failed",
+    "bytes_put",
+    "errors",
+)
 TIMERS = ("get_seconds", "exists_seconds")
 
 
@@ -183,8 +197,9 @@ class L3Tier:
         self._seconds = dict.fromkeys(TIMERS, 0.0)
         self._gets = Worker("kvtier-l3-get", max_pending=256)
         self._puts = Worker("kvtier-l3-put", max_pending=4096)
-        self._finalizer = weakref.finalize(self, _shutdown_dropped, self._conn, (self._gets, self._puts),
-                                           (*self._pools, self.planner))  # fmt: skip
+        self._finalizer = weakref.finalize(
+            self, _shutdown_dropped, self._conn, (self._gets, self._puts), (*self._pools, self.planner)
+        )
         self._maybe_connect()
 
     @property
@@ -220,8 +235,10 @@ class L3Tier:
 
     def _connect(self) -> None:
         try:
-            self._conn.attach(self._factory(self.config), [(p.base_ptr, p.slots * p.slot_bytes) for p in self._pools]
-                              + self.planner.buffers())  # fmt: skip
+            self._conn.attach(
+                self._factory(self.config),
+                [(p.base_ptr, p.slots * p.slot_bytes) for p in self._pools] + self.planner.buffers(),
+            )
             with self._lock:
                 self._connect_backoff.reset()
             log.info("L3 tier connected to %s (fingerprint %s)", self.config.master_addr, self.fingerprint)
@@ -408,8 +425,7 @@ class L3Tier:
                 self._reject(store, verdict.rejected)
             if verdict.lost:
                 k, code = verdict.lost[0]
-                log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(keys), k,
-                         code)  # fmt: skip
+                log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(keys), k, code)
         finally:
             if release:
                 self.planner.finish(plan, admit)
