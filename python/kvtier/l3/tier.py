@@ -275,7 +275,8 @@ class L3Tier:
     # Engine-loop calls: none of them waits for the Store
 
     def waiting(self, request_id: str) -> bool:
-        """True while this request's fetch runs and its deadline has not passed (answer "retry later")."""
+        """True while this request's fetch runs and its deadline has not passed (answer "retry later"). A fetch
+        that failed was read, counted and logged as it finished (``_job_done``): the request goes ahead uncached."""
         f = self._fetches.get(request_id)
         if f is None:
             return False
