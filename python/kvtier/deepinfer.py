@@ -176,15 +176,18 @@ class Cache:
 
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for layer-wise loads."""
-        self.cache.wait_layer(layer)
+        try:
+            self.cache.wait_layer(layer)
+        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
+            self.cache.report_error("wait_layer", e)
 
     def release(self, blocks: Any) -> None:
         """Before GPU ``blocks`` are rewritten: the engine's stream waits (GPU-side) for stores still reading
         them."""
         try:
             self.cache.release(blocks)
-        except Exception as e:  # noqa: BLE001
-            self.cache._error("release", e)
+        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
+            self.cache.report_error("release", e)
 
     def forget(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)

@@ -288,7 +288,7 @@ class MooncakeStore:
             mooncake = import_mooncake()
         except ImportError as exc:
             raise L3Unavailable(
-                f"mooncake is not importable ({exc}); install kvtier[mooncake] or kvtier[mooncake-cpu]"
+                f"mooncake is not importable ({exc}); install kvtier[l3] (kvtier[l3-cpu] without CUDA)"
             ) from exc
         store = mooncake.MooncakeDistributedStore()
         t0 = time.monotonic()
