@@ -49,37 +49,6 @@ def test_demo_json_reports_identical_outputs_and_savings(capsys, tmp_path):
     assert plot.stat().st_size > 1000
 
 
-def test_bench_index_json(capsys):
-    rc = main(
-        [
-            "bench",
-            "index",
-            "--json",
-            "--conversations",
-            "2",
-            "--turns",
-            "3",
-            "--system-tokens",
-            "256",
-            "--turn-tokens",
-            "64",
-            "--repeat",
-            "1",
-        ]
-    )
-    out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["tokens"] > 0 and out["hit_tokens"] > 0
-    for key in (
-        "rust_lookup_us",
-        "python_lookup_us",
-        "rust_store_us",
-        "python_store_us",
-        "speedup_lookup",
-        "speedup_store",
-    ):
-        assert out[key] > 0
-
-
 def test_unknown_command_is_refused(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err

@@ -90,27 +90,37 @@ def _settle(cache: Any) -> None:
     cache.poll()
 
 
+BLOCK_SIZE = 16
+
+
+def _config(args: argparse.Namespace, layout: str, *, num_gpu_blocks: int, chunk_size: int, max_batch: int) -> Any:
+    """The reference engine's config of a run: the chosen model in bfloat16, one state ring a sequence (+1)."""
+    from kvtier.engine import EngineConfig
+
+    return EngineConfig.preset(
+        args.model,
+        device=args.device,
+        dtype="bfloat16",
+        layout=layout,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=num_gpu_blocks,
+        chunk_size=chunk_size,
+        max_batch=max_batch,
+        num_state_rings=max_batch + 1,
+    )
+
+
 def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     import torch
 
     from kvtier.copy import HostPool, PageCopier
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine import Engine
 
-    bs = 16
+    bs = BLOCK_SIZE
     pre, suf = args.prefix_tokens, args.suffix_tokens
     blocks_per_seq = -(-(pre + suf + 1) // bs)
-    config = EngineConfig.preset(
-        args.model,
-        device=args.device,
-        dtype="bfloat16",
-        layout=layout,
-        block_size=bs,
-        num_gpu_blocks=3 * blocks_per_seq,
-        chunk_size=suf + 1024,
-        max_batch=4,
-        num_state_rings=4,
-    )
+    config = _config(args, layout, num_gpu_blocks=3 * blocks_per_seq, chunk_size=suf + 1024, max_batch=4)
     engine = Engine(config)
     rng = np.random.default_rng(0)
     vocab = config.vocab
@@ -191,25 +201,15 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     import torch
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine import Engine
     from kvtier.engine.sequence import Sequence as Seq
 
-    bs = 16
+    bs = BLOCK_SIZE
     pre = args.prefix_tokens
     store_blocks = pre // bs
     steps_total = 20 + args.stores * 12
     num_blocks = store_blocks + args.decode_seqs * (-(-(512 + steps_total) // bs)) + 8
-    config = EngineConfig.preset(
-        args.model,
-        device=args.device,
-        dtype="bfloat16",
-        layout=layout,
-        block_size=bs,
-        num_gpu_blocks=num_blocks,
-        max_batch=args.decode_seqs,
-        chunk_size=512,
-        num_state_rings=args.decode_seqs + 1,
-    )
+    config = _config(args, layout, num_gpu_blocks=num_blocks, chunk_size=512, max_batch=args.decode_seqs)
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(1)
     for streams in (True, False):
