@@ -59,14 +59,16 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         ("index short table", lambda: ix.plan_store("r", ok_prompt, block_table=[1]), ValueError, "1 blocks"),
         ("index negative block", lambda: ix.plan_store("r", ok_prompt, block_table=[0, -1, 2, 3]), ValueError, "-1"),
         ("index forget unknown", lambda: ix.forget("nobody"), NOOP, ""),
-        ("index block_size 0", lambda: kvtier.Index(4, block_size=0), ValueError, "block_size"),
-        ("index page_slots -1", lambda: kvtier.Index(-1), ValueError, "-1"),
-        ("index page_slots 0", lambda: kvtier.Index(0), ValueError, "page_slots"),
-        ("index keep 0", lambda: kvtier.Index(4, keep_tokens=0), ValueError, "keep_tokens"),
-        ("index hash kind", lambda: kvtier.Index(4, hash_kind="sha1"), ValueError, "sha1"),
+        ("index block_size 0", lambda: kvtier.Index(kvtier.IndexConfig(4, block_size=0)), ValueError, "block_size"),
+        ("index page_slots -1", lambda: kvtier.Index(kvtier.IndexConfig(-1)), ValueError, "-1"),
+        ("index page_slots 0", lambda: kvtier.Index(kvtier.IndexConfig(0)), ValueError, "page_slots"),
+        ("index keep 0", lambda: kvtier.Index(kvtier.IndexConfig(4, keep_tokens=0)), ValueError, "keep_tokens"),
+        ("index hash kind", lambda: kvtier.Index(kvtier.IndexConfig(4, hash_kind="sha1")), ValueError, "sha1"),
         (
             "seen-set capacity 0",
-            lambda: kvtier.L3Planner(kvtier.Index(8), "fp", group_pages=1, page_base=1, page_bytes=1, seen_keys=0),
+            lambda: kvtier.L3Planner(
+                kvtier.Index(kvtier.IndexConfig(8)), "fp", group_pages=1, page_base=1, page_bytes=1, seen_keys=0
+            ),
             ValueError,
             "capacity",
         ),

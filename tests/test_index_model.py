@@ -63,10 +63,9 @@ class IndexMachine(RuleBasedStateMachine):
             state_lookback_blocks=lookback,
             ring_slack=slack,
         )
-        self.rust = kvtier.Index(page_slots, **kw)
-        self.model = PyIndex(
-            page_slots, chain_fn=lambda rid, ns, toks: self.rust.chain(rid, np.asarray(toks, np.int32)), **kw
-        )
+        config = kvtier.IndexConfig(page_slots, **kw)
+        self.rust = kvtier.Index(config)
+        self.model = PyIndex(config, chain_fn=lambda rid, ns, toks: self.rust.chain(rid, np.asarray(toks, np.int32)))
         self.n_pages, self.n_states = page_slots, state_slots
         self.pending: list[int] = []
         self.prompts: dict[str, np.ndarray] = {}
@@ -189,7 +188,7 @@ TestIndexMachine = IndexMachine.TestCase
 
 
 def test_lookup_counts_a_retried_request_once():
-    ix = kvtier.Index(16, block_size=4, min_hit_tokens=0)
+    ix = kvtier.Index(kvtier.IndexConfig(16, block_size=4, min_hit_tokens=0))
     t = np.arange(40, dtype=np.int32)
     ix.complete(ix.plan_store("a", t).ticket)
     for _ in range(3):
@@ -200,7 +199,7 @@ def test_lookup_counts_a_retried_request_once():
 
 
 def test_first_pages_are_evicted_last():
-    ix = kvtier.Index(8, block_size=4, min_hit_tokens=0)
+    ix = kvtier.Index(kvtier.IndexConfig(8, block_size=4, min_hit_tokens=0))
     t = np.arange(32, dtype=np.int32)
     ix.complete(ix.plan_store("a", t).ticket)
     keys = ix.keys("a")
@@ -210,7 +209,9 @@ def test_first_pages_are_evicted_last():
 
 
 def test_states_snap_the_hit_to_a_boundary():
-    ix = kvtier.Index(16, state_slots=4, block_size=4, min_hit_tokens=0, state_lookback_blocks=2, ring_slack=4)
+    ix = kvtier.Index(
+        kvtier.IndexConfig(16, state_slots=4, block_size=4, min_hit_tokens=0, state_lookback_blocks=2, ring_slack=4)
+    )
     t = np.arange(40, dtype=np.int32)  # 10 blocks; states at boundaries 40 and 36 (ring: b >= 40 - 4)
     p = ix.plan_store("a", t)
     assert p.state_boundaries == [40, 36]
@@ -222,7 +223,7 @@ def test_states_snap_the_hit_to_a_boundary():
 
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=200), st.sampled_from(["blake3", "xxh3"]))
 def test_chain_extension_equals_a_fresh_chain(tokens, kind):
-    ix = kvtier.Index(4, block_size=4, hash_kind=kind)
+    ix = kvtier.Index(kvtier.IndexConfig(4, block_size=4, hash_kind=kind))
     arr = np.asarray(tokens, dtype=np.int32)
     for cut in range(0, len(arr) + 1, 7):
         ix.chain("grow", arr[:cut] if cut % 2 else tokens[:cut])
@@ -244,8 +245,8 @@ class Rules:
     """The Rust index or the Python model behind one interface: store (and complete), lookup, state keys."""
 
     def __init__(self, impl: str, page_slots: int, **kw: int) -> None:
-        self.rust = kvtier.Index(page_slots, **kw)
-        self.model = PyIndex(page_slots, **kw) if impl == "python" else None
+        self.rust = kvtier.Index(kvtier.IndexConfig(page_slots, **kw))
+        self.model = PyIndex(kvtier.IndexConfig(page_slots, **kw)) if impl == "python" else None
         self.block = kw.get("block_size", 16)
 
     def store(self, rid: str, tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -339,7 +340,7 @@ def test_a_prompts_first_pages_are_evicted_last(impl):
 
 def test_every_token_container_gives_the_same_keys():
     ids = np.random.default_rng(1).integers(0, 2**31 - 1, size=100, dtype=np.int64)
-    ix = kvtier.Index(4, block_size=16)
+    ix = kvtier.Index(kvtier.IndexConfig(4, block_size=16))
     want = ix.chain("ref", ids.astype(np.int32))
     for i, t in enumerate(
         [
@@ -378,7 +379,7 @@ def test_every_token_container_gives_the_same_keys():
     ],
 )
 def test_bad_token_ids_are_named(ids, error, match):
-    ix = kvtier.Index(4, block_size=16)
+    ix = kvtier.Index(kvtier.IndexConfig(4, block_size=16))
     with pytest.raises(error, match=match):
         ix.lookup("r", ids)
     assert not ix.forget("r"), "a refused call leaves no request behind"
@@ -386,7 +387,7 @@ def test_bad_token_ids_are_named(ids, error, match):
 
 def test_a_known_request_reads_only_its_new_tokens():
     """Tokens already hashed are not read again: a bad id planted among them goes unseen, one after them is named."""
-    ix = kvtier.Index(64, block_size=4)
+    ix = kvtier.Index(kvtier.IndexConfig(64, block_size=4))
     ids = list(range(100))
     ix.chain("r", ids)
     ids[50] = -7  # inside the hashed prompt, not in its first or last block
@@ -396,7 +397,7 @@ def test_a_known_request_reads_only_its_new_tokens():
 
 
 def test_a_reused_request_id_is_refused_until_forgotten():
-    ix = kvtier.Index(64, block_size=4)
+    ix = kvtier.Index(kvtier.IndexConfig(64, block_size=4))
     ix.lookup("r", list(range(40)))
     for other, why in [
         (list(range(36)), "fewer than the 40"),
@@ -413,7 +414,7 @@ def test_a_reused_request_id_is_refused_until_forgotten():
 
 
 def test_huge_pools_allocate_only_what_they_use():
-    ix = kvtier.Index(2_000_000_000, state_slots=2_000_000_000, block_size=4, min_hit_tokens=0)
+    ix = kvtier.Index(kvtier.IndexConfig(2_000_000_000, state_slots=2_000_000_000, block_size=4, min_hit_tokens=0))
     ix.complete(ix.plan_store("a", list(range(16))).ticket)
     assert ix.stats()["pages_used"] == 4 and ix.stats()["states_used"] == 1
     ix.check()

@@ -18,6 +18,7 @@ __all__ = [
     "CopyStream",
     "HostPool",
     "Index",
+    "IndexConfig",
     "FetchPlan",
     "KvtierError",
     "L3Planner",
@@ -101,7 +102,7 @@ class StorePlan:
     def state_slots(self) -> npt.NDArray[np.int32]: ...
 
 @final
-class Index:
+class IndexConfig:
     def __new__(
         cls,
         page_slots: int,
@@ -114,8 +115,28 @@ class Index:
         ring_slack: int = 0,
         hash_kind: str = "blake3",
         hash_key: str | bytes | None = None,
-        usable_page_slots: int | None = None,
-        usable_state_slots: int | None = None,
+    ) -> Self: ...
+    @property
+    def page_slots(self) -> int: ...
+    @property
+    def state_slots(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def keep_tokens(self) -> int: ...
+    @property
+    def min_hit_tokens(self) -> int: ...
+    @property
+    def state_lookback_blocks(self) -> int: ...
+    @property
+    def ring_slack(self) -> int: ...
+    @property
+    def hash_kind(self) -> str: ...
+
+@final
+class Index:
+    def __new__(
+        cls, config: IndexConfig, *, usable_page_slots: int | None = None, usable_state_slots: int | None = None
     ) -> Self: ...
     @property
     def page_slots(self) -> int: ...

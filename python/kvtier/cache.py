@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtier import Index, StaleLookupError
+from kvtier import Index, IndexConfig, StaleLookupError
 from kvtier.copy import HostPool, PageCopier
 from kvtier.settings import CacheSettings, check_fits
 from kvtier.transfer import Transfers
@@ -195,7 +195,7 @@ class HostPrefixCache:
                     f"setting staging_slots={s.staging_slots} needs {s.staging_slots * self.state_bytes} bytes of "
                     f"GPU memory ({self.state_bytes} per state); {self.device} has {free} bytes free"
                 )
-        self.index = Index(
+        config = IndexConfig(
             self.page_slots,
             state_slots=state_slots,
             block_size=block_size,
@@ -205,9 +205,8 @@ class HostPrefixCache:
             ring_slack=s.ring_slack,
             hash_kind=s.hash_kind,
             hash_key=s.hash_key,
-            usable_page_slots=0,
-            usable_state_slots=0,
         )
+        self.index = Index(config, usable_page_slots=0, usable_state_slots=0)
         self.disabled = False
         self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
         self.errors = 0

@@ -12,6 +12,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier import IndexConfig
 
 ChainFn = Callable[[str, bytes, Sequence[int]], list[int]]
 
@@ -112,26 +116,15 @@ class Ticket:
 class PyIndex:
     """The same rules as ``kvtier.Index``; plans are returned as plain tuples and lists."""
 
-    def __init__(
-        self,
-        page_slots: int,
-        *,
-        state_slots: int = 0,
-        block_size: int = 16,
-        keep_tokens: int = 1,
-        min_hit_tokens: int | None = None,
-        state_lookback_blocks: int = 4,
-        ring_slack: int = 0,
-        chain_fn: ChainFn | None = None,
-    ) -> None:
-        self.block_size = block_size
-        self.keep_tokens = keep_tokens
-        self.min_hit_tokens = 2 * block_size if min_hit_tokens is None else min_hit_tokens
-        self.state_lookback_blocks = state_lookback_blocks
-        self.ring_slack = ring_slack
-        self.pages = Pool(page_slots, page_slots)
-        self.states = Pool(state_slots, state_slots)
-        self.has_states = state_slots > 0
+    def __init__(self, config: IndexConfig, *, chain_fn: ChainFn | None = None) -> None:
+        self.block_size = block_size = config.block_size
+        self.keep_tokens = config.keep_tokens
+        self.min_hit_tokens = config.min_hit_tokens
+        self.state_lookback_blocks = config.state_lookback_blocks
+        self.ring_slack = config.ring_slack
+        self.pages = Pool(config.page_slots, config.page_slots)
+        self.states = Pool(config.state_slots, config.state_slots)
+        self.has_states = config.state_slots > 0
         self.chain_fn = chain_fn or blake2b_chain(block_size)
         self.chains: dict[str, list[int]] = {}
         self.counted: set[str] = set()

@@ -12,6 +12,7 @@ use crate::error::invalid;
 use crate::index::{Config, Index};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyIndexConfig>()?;
     m.add_class::<PyIndex>()?;
     m.add_class::<PyLookup>()?;
     m.add_class::<PyLoadPlan>()?;
@@ -69,6 +70,108 @@ pub struct PyStorePlan {
     state_slots: Py<PyArray1<i32>>,
 }
 
+/// A count of host slots: non-negative and below 2**31 (slot ids are int32 on the Python side).
+fn slot_count(name: &str, v: i64) -> PyResult<u32> {
+    let n: u32 = non_negative(name, v)?;
+    if n > i32::MAX as u32 {
+        return Err(PyValueError::new_err(format!("{name} must be < 2**31, got {v}")));
+    }
+    Ok(n)
+}
+
+/// Everything that decides an index's behaviour, given once: `Index(IndexConfig(page_slots, ...))`. Every value is
+/// checked here; `min_hit_tokens=None` means two blocks.
+#[pyclass(name = "IndexConfig", module = "kvtier._core", frozen)]
+pub struct PyIndexConfig {
+    cfg: Config,
+}
+
+#[pymethods]
+impl PyIndexConfig {
+    #[new]
+    #[pyo3(signature = (page_slots, *, state_slots=0, block_size=16, keep_tokens=1, min_hit_tokens=None,
+        state_lookback_blocks=4, ring_slack=0, hash_kind="blake3", hash_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        page_slots: i64,
+        state_slots: i64,
+        block_size: i64,
+        keep_tokens: i64,
+        min_hit_tokens: Option<i64>,
+        state_lookback_blocks: i64,
+        ring_slack: i64,
+        hash_kind: &str,
+        hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let block_size: usize = non_negative("block_size", block_size)?;
+        let cfg = Config {
+            page_slots: slot_count("page_slots", page_slots)?,
+            state_slots: slot_count("state_slots", state_slots)?,
+            block_size,
+            keep_tokens: non_negative("keep_tokens", keep_tokens)?,
+            min_hit_tokens: match min_hit_tokens {
+                Some(v) => non_negative("min_hit_tokens", v)?,
+                None => 2 * block_size,
+            },
+            state_lookback_blocks: non_negative("state_lookback_blocks", state_lookback_blocks)?,
+            ring_slack: non_negative("ring_slack", ring_slack)?,
+            hash_kind: HashKind::parse(hash_kind).map_err(to_py)?,
+            hash_key: namespace_bytes(hash_key)?,
+        };
+        cfg.validate().map_err(to_py)?;
+        Ok(Self { cfg })
+    }
+
+    #[getter]
+    fn page_slots(&self) -> u32 {
+        self.cfg.page_slots
+    }
+    #[getter]
+    fn state_slots(&self) -> u32 {
+        self.cfg.state_slots
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    #[getter]
+    fn keep_tokens(&self) -> usize {
+        self.cfg.keep_tokens
+    }
+    #[getter]
+    fn min_hit_tokens(&self) -> usize {
+        self.cfg.min_hit_tokens
+    }
+    #[getter]
+    fn state_lookback_blocks(&self) -> usize {
+        self.cfg.state_lookback_blocks
+    }
+    #[getter]
+    fn ring_slack(&self) -> usize {
+        self.cfg.ring_slack
+    }
+    #[getter]
+    fn hash_kind(&self) -> &'static str {
+        self.cfg.hash_kind.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "IndexConfig(page_slots={}, state_slots={}, block_size={}, keep_tokens={}, min_hit_tokens={}, \
+             state_lookback_blocks={}, ring_slack={}, hash_kind={:?})",
+            c.page_slots,
+            c.state_slots,
+            c.block_size,
+            c.keep_tokens,
+            c.min_hit_tokens,
+            c.state_lookback_blocks,
+            c.ring_slack,
+            c.hash_kind.name()
+        )
+    }
+}
+
 impl PyIndex {
     pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
         // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
@@ -108,51 +211,15 @@ impl PyIndex {
 #[pymethods]
 impl PyIndex {
     #[new]
-    #[pyo3(signature = (page_slots, *, state_slots=0, block_size=16, keep_tokens=1, min_hit_tokens=None,
-        state_lookback_blocks=4, ring_slack=0, hash_kind="blake3", hash_key=None, usable_page_slots=None,
-        usable_state_slots=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        page_slots: i64,
-        state_slots: i64,
-        block_size: i64,
-        keep_tokens: i64,
-        min_hit_tokens: Option<i64>,
-        state_lookback_blocks: i64,
-        ring_slack: i64,
-        hash_kind: &str,
-        hash_key: Option<&Bound<'_, PyAny>>,
-        usable_page_slots: Option<i64>,
-        usable_state_slots: Option<i64>,
-    ) -> PyResult<Self> {
-        let slots = |name: &str, v: i64| -> PyResult<u32> {
-            let n: u32 = non_negative(name, v)?;
-            if n > i32::MAX as u32 {
-                return Err(PyValueError::new_err(format!("{name} must be < 2**31, got {v}")));
-            }
-            Ok(n)
-        };
-        let block_size: usize = non_negative("block_size", block_size)?;
-        let cfg = Config {
-            page_slots: slots("page_slots", page_slots)?,
-            state_slots: slots("state_slots", state_slots)?,
-            block_size,
-            keep_tokens: non_negative("keep_tokens", keep_tokens)?,
-            min_hit_tokens: match min_hit_tokens {
-                Some(v) => non_negative("min_hit_tokens", v)?,
-                None => 2 * block_size,
-            },
-            state_lookback_blocks: non_negative("state_lookback_blocks", state_lookback_blocks)?,
-            ring_slack: non_negative("ring_slack", ring_slack)?,
-            hash_kind: HashKind::parse(hash_kind).map_err(to_py)?,
-            hash_key: namespace_bytes(hash_key)?,
-        };
+    #[pyo3(signature = (config, *, usable_page_slots=None, usable_state_slots=None))]
+    fn new(config: &PyIndexConfig, usable_page_slots: Option<i64>, usable_state_slots: Option<i64>) -> PyResult<Self> {
+        let cfg = config.cfg.clone();
         let usable_pages = match usable_page_slots {
-            Some(v) => slots("usable_page_slots", v)?,
+            Some(v) => slot_count("usable_page_slots", v)?,
             None => cfg.page_slots,
         };
         let usable_states = match usable_state_slots {
-            Some(v) => slots("usable_state_slots", v)?,
+            Some(v) => slot_count("usable_state_slots", v)?,
             None => cfg.state_slots,
         };
         let index = Index::new(cfg, usable_pages, usable_states).map_err(to_py)?;

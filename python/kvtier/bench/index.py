@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier import Index
+from kvtier import Index, IndexConfig
 from kvtier.pyindex import PyIndex
 
 
@@ -38,8 +38,8 @@ def prompt_case(tokens: int, block_size: int, page_slots: int, repeat: int, seed
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 150_000, size=tokens, dtype=np.int32)
     ids_list = ids.tolist()
-    rust = Index(page_slots, block_size=block_size)
-    py = PyIndex(page_slots, block_size=block_size)
+    rust = Index(IndexConfig(page_slots, block_size=block_size))
+    py = PyIndex(IndexConfig(page_slots, block_size=block_size))
     rust.complete(rust.plan_store("warm", ids).ticket)
     py.complete(py.plan_store("warm", ids_list)[0])
 
@@ -76,7 +76,7 @@ def prompt_case(tokens: int, block_size: int, page_slots: int, repeat: int, seed
     # new request on an empty index: all hashing, the walk stops at page 0).
     for kind in ("blake3", "xxh3"):
 
-        def hash_prompt(ix: Index = Index(4, block_size=block_size, hash_kind=kind)) -> None:  # noqa: B008
+        def hash_prompt(ix: Index = Index(IndexConfig(4, block_size=block_size, hash_kind=kind))) -> None:  # noqa: B008
             ix.lookup("h", ids)
             ix.forget("h")
 
@@ -135,8 +135,8 @@ def trace_case(a: argparse.Namespace) -> dict[str, Any]:
         runs = [run_trace(make(), trace) for _ in range(a.repeat)]
         return min(runs, key=lambda r: r[0] + r[1])
 
-    rust = best(lambda: Index(a.page_slots, block_size=a.block_size))
-    py = best(lambda: PyIndex(a.page_slots, block_size=a.block_size))
+    rust = best(lambda: Index(IndexConfig(a.page_slots, block_size=a.block_size)))
+    py = best(lambda: PyIndex(IndexConfig(a.page_slots, block_size=a.block_size)))
     if rust[2] != py[2]:
         raise SystemExit(f"the two implementations disagree: {rust[2]} vs {py[2]} hit tokens")
     tokens = sum(len(t) for _, t in trace)
