@@ -252,7 +252,7 @@ impl PyIndex {
         self.lock().hasher().key_id()
     }
 
-    /// More host slots are usable now (a chunk of the lazily allocated host pool is ready).
+    /// More host slots are usable now (a pin step of the lazily allocated host pool is ready).
     fn grow(&self, py: Python<'_>, usable_page_slots: i64, usable_state_slots: i64) -> PyResult<()> {
         let p: u32 = non_negative("usable_page_slots", usable_page_slots)?;
         let s: u32 = non_negative("usable_state_slots", usable_state_slots)?;

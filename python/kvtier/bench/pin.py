@@ -1,7 +1,7 @@
 """`kvtier bench pin`: pin a large host pool while the engine serves, and time every cache call on the loop.
 
 The reference engine runs multi-turn conversations with a cache whose host pool (default 64 GiB) is pinned lazily,
-chunk by chunk, on a background thread. Every call the engine makes into the cache (try_resume, on_prefill_step,
+pin step by pin step, on a background thread. Every call the engine makes into the cache (try_resume, on_prefill_step,
 poll) is timed; the target is that none takes over 5 ms while the pool is being pinned. Also reported: the pinning
 rate (GiB/s) and the calls' times after pinning finished, in the same run.
 """
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--pin-step-mib",
         "--chunk-mib",
-        dest="chunk_mib",
+        dest="pin_step_mib",
         type=at_least(1),
         default=16,
         help="pin step, in MiB (--chunk-mib is its old name)",
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
     cache = Cache(
-        engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096, pin_step_bytes=a.chunk_mib << 20
+        engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096, pin_step_bytes=a.pin_step_mib << 20
     )
     calls: list[tuple[float, float, str]] = []
     for name in ("try_resume", "on_prefill_step", "poll"):
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin_s = (t_pinned - first_store) if t_pinned else float("nan")
     out = {
         "host_gib": a.host_gib,
-        "chunk_mib": a.chunk_mib,
+        "pin_step_mib": a.pin_step_mib,
         "pinned": t_pinned is not None,
         "pin_seconds": pin_s,
         "pin_gib_per_s": s["host_bytes_pinned"] / (1 << 30) / pin_s if t_pinned else None,

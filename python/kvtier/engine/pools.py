@@ -7,7 +7,7 @@ page is [2 (K, V), block_size, heads, head_dim].
 - page-first: one contiguous tensor gpu_blocks [num_blocks, page_bytes]; a page is one region, laid out
   [num_full_layers, 2, block_size, heads, head_dim].
 - layer-first: gpu_layers, one tensor per full-attention layer [num_blocks, block_bytes_per_layer]; a page is
-  num_full_layers chunks, one per tensor.
+  num_full_layers segments, one per tensor.
 
 State pool. gpu_states [num_state_rings, state_slot_bytes] holds each live sequence's rings, laid out
 [num_sliding_layers, 2, ring_size, heads, head_dim]; position p lives at ring index p % ring_size. A stored
