@@ -402,8 +402,9 @@ class HostPrefixCache:
         """Write-through store of a prompt whose prefill has run: its full blocks (GPU blocks ``block_table``,
         a sequence of ints or an integer array; ids past the prompt's full blocks are not read) and, for models
         with state, the states at the last few block boundaries still in the ring (``seq_len``: the sequence's
-        length now, default the prompt's). Copies are enqueued on the current stream; ``poll()`` makes them
-        hits once they finished."""
+        length now, default the prompt's). The copies are enqueued (on kvtier's copy stream, after the engine's work
+        enqueued so far) and ``store`` returns at once; ``poll()`` makes them hits once they finished. Call
+        ``release(blocks)`` or ``forget(request_id)`` before the engine rewrites these blocks."""
         _check_call(request_id, namespace)
         table = block_ids(block_table, len(prompt_ids) // self.block_size, self._copy_pages.num_blocks)
         self._store(request_id, prompt_ids, table, _seq_len(seq_len), state, namespace)
