@@ -46,7 +46,7 @@ USAGE = (
     "\n`kvtier <command> --help` for its options and their defaults."
 )
 
-L3_EXTRA = 'pip install "kvtier[l3]"'
+L3_EXTRA = 'pip install "kvtier[l3]" ("kvtier[l3-cpu]" on a machine without CUDA)'
 
 
 # ---- argument parsing shared by the subcommands ---------------------------------------------------------------
