@@ -228,6 +228,9 @@ def test_cpu_path_same_api() -> None:
     cache.release([1, 2])
     with pytest.raises(ValueError, match="block id 36 is outside the GPU pool of 36 blocks"):
         cache.cache.release([3, 36])
+    for bad in ([1.5], [True], ["3"], np.array([2**32 + 3])):  # checked as store's table is: no conversion
+        with pytest.raises((TypeError, ValueError)):
+            cache.cache.release(bad)
     cache.cache.wait_loads()
     assert cache.stats_dict()["copies_in_flight"] == 0 and cache.stats_dict()["hits"] > 0
     cache.close()

@@ -474,10 +474,12 @@ class HostPrefixCache:
         """``wait_layer`` for every layer."""
         self._order("wait_loads", self.transfers.wait_loads)
 
-    def release(self, blocks: Sequence[int] | np.ndarray) -> None:
-        """Before the engine rewrites ``blocks`` (GPU block ids): its stream waits (GPU-side) for the pending
-        stores that read them. Cheap; a no-op without copy streams and on the CPU."""
-        self._order("release", self.transfers.release, blocks)
+    def release(self, blocks: BlockTable) -> None:
+        """Before the engine rewrites ``blocks`` (GPU block ids, checked as ``store`` checks its table): its stream
+        waits (GPU-side) for the pending stores that read them. Cheap; a no-op without copy streams and on the
+        CPU."""
+        ids = block_ids(blocks, len(blocks), self._copy_pages.num_blocks, "blocks")
+        self._order("release", self.transfers.release, ids)
 
     def _order(self, what: str, fn: Callable[..., None], *args: Any) -> None:
         """Runs a GPU-side ordering call under the failure policy. If it fails, the host waits for the device

@@ -20,8 +20,6 @@ call is a no-op.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, PageCopier
@@ -156,16 +154,12 @@ class Transfers:
         self._layer_events = [None] * self._num_layers
         self._last_load = None
 
-    def release(self, blocks: Any) -> None:
-        """The engine is about to reuse ``blocks``: its stream waits for the pending stores that read them."""
-        ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
-        n = len(self._block_seq)
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            bad = ids[(ids < 0) | (ids >= n)][0]
-            raise ValueError(f"block id {int(bad)} is outside the GPU pool of {n} blocks")
+    def release(self, blocks: np.ndarray) -> None:
+        """The engine is about to reuse ``blocks`` (int32 ids, checked by the caller): its stream waits for the
+        pending stores that read them."""
         if not self.copy_streams:
             return
-        ev = self._pending_store(ids)
+        ev = self._pending_store(blocks)
         if ev is not None:
             ev.wait_in(self.engine_stream())
 
