@@ -176,25 +176,31 @@ class Cache:
 
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for layer-wise loads."""
-        try:
-            self.cache.wait_layer(layer)
-        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
-            self.cache.report_error("wait_layer", e)
+        if not self._shielded("wait_layer", self.cache.wait_layer, layer):
+            self._sync()  # the model must not read a block early
 
     def release(self, blocks: Any) -> None:
         """Before GPU ``blocks`` are rewritten: the engine's stream waits (GPU-side) for stores still reading
         them."""
-        try:
-            self.cache.release(blocks)
-        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
-            self.cache.report_error("release", e)
+        if not self._shielded("release", self.cache.release, blocks):
+            self._sync()  # a stored page must not read a block the engine rewrites
 
     def forget(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
+        self._shielded("forget", self.cache.forget, request_id)
+
+    def _shielded(self, where: str, fn: Any, *args: Any) -> bool:
+        """Runs a cache call that must not raise into the engine; False (logged, counted) if it raised."""
         try:
-            self.cache.forget(request_id)
-        except Exception as e:  # noqa: BLE001
-            self.cache.report_error("forget", e)
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
+            self.cache.report_error(where, e)
+            return False
+        return True
+
+    def _sync(self) -> None:
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
 
     def stats_dict(self) -> dict[str, Any]:
         return self.cache.stats()
