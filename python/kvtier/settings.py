@@ -66,15 +66,19 @@ class Setting:
 
     @property
     def default_text(self) -> str:
-        if self.shown is not None:
-            return self.shown
-        if self.default is None:
+        return self.shown if self.shown is not None else self.show(self.default)
+
+    def show(self, value: Any) -> str:
+        """A value as the README and ``kvtier info`` write it (secrets hidden)."""
+        if value is None:
             return "unset"
+        if self.kind == SECRET:
+            return "<set>"
         if self.kind == BYTES:
-            return format_bytes(self.default)
+            return format_bytes(value)
         if self.kind == BOOL:
-            return str(self.default).lower()
-        return str(self.default)
+            return str(value).lower()
+        return str(value)
 
     def parse(self, value: Any) -> Any:
         """The value as this setting holds it; ``ValueError`` (without the setting's name) when it is bad."""
@@ -296,19 +300,10 @@ class CacheSettings:
 
     def explain(self) -> list[tuple[str, str, str, str]]:
         """``(name, value, source, variable)`` of every setting, secrets hidden: what ``kvtier info`` prints."""
-        out = []
-        for s in REGISTRY:
-            v = getattr(self, s.name)
-            if s.kind == SECRET and v is not None:
-                text = "<set>"
-            elif v is None:
-                text = s.default_text
-            elif s.kind == BYTES:
-                text = format_bytes(v)
-            else:
-                text = str(v).lower() if s.kind == BOOL else str(v)
-            out.append((s.name, text, self.sources[s.name], s.variable))
-        return out
+        return [
+            (s.name, s.default_text if v is None else s.show(v), self.sources[s.name], s.variable)
+            for s, v in ((s, getattr(self, s.name)) for s in REGISTRY)
+        ]
 
 
 def markdown_table() -> str:
