@@ -15,22 +15,18 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-COMMANDS = {
-    "demo": "kvtier.demo",
-    "bench index": "kvtier.bench.index",
-    "bench copy": "kvtier.bench.copy",
-    "bench l3": "kvtier.bench.l3",
-    "bench pin": "kvtier.bench.pin",
-    "bench overlap": "kvtier.bench.overlap",
-    "soak": "kvtier.soak",
-}
-
 BENCHMARKS = {
     "index": "the Rust index against plain-Python bookkeeping on one trace",
     "copy": "the copy kernel and the copy engine against contiguous memcpy, and their cost to a GEMM (needs CUDA)",
     "overlap": "time to first token with whole and layer-wise loads; decode while a store streams (needs CUDA)",
     "l3": "the L3 tier against raw Mooncake Store calls",
     "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
+}
+# Each command's module (its main(argv) runs it); `kvtier bench <name>` is kvtier.bench.<name>.
+COMMANDS = {
+    "demo": "kvtier.demo",
+    "soak": "kvtier.soak",
+    **{f"bench {name}": f"kvtier.bench.{name}" for name in BENCHMARKS},
 }
 BENCH_USAGE = (
     "usage: kvtier bench <benchmark> [options]\n\nbenchmarks:\n"
