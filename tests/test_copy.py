@@ -155,6 +155,9 @@ def setup():  # type: ignore[no-untyped-def]
         (lambda c: c.to_host(np.array([1], np.int64), [0]), TypeError, "int32"),
         (lambda c: c.to_host([2**31], [0]), ValueError, "does not fit in int32"),
         (lambda c: c.to_host("ab", [0]), TypeError, "int32 ids"),
+        (lambda c: c.to_host([True], [0]), TypeError, r"gpu_ids\[0\] must be an int, got True"),
+        (lambda c: c.to_host([1.0], [0]), TypeError, r"gpu_ids\[0\] must be an int"),
+        (lambda c: c.to_host({1}, [0]), TypeError, "sequence of ints, got set"),
         (lambda c: c.to_host(np.array([[1]], np.int32), [0]), TypeError, "1-D"),
     ],
 )

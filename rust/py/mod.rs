@@ -87,17 +87,21 @@ pub(crate) fn int32s<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Int32
     if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
         return Err(PyTypeError::new_err(format!("{what} must be int32 ids, got {}", obj.get_type().name()?)));
     }
-    let values: Vec<i64> = obj.extract().map_err(|_| {
+    let not_ids = || {
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         PyTypeError::new_err(format!("{what} must be a numpy int32 array or a sequence of ints, got {ty}"))
-    })?;
-    let out = values
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| {
-            i32::try_from(v).map_err(|_| PyValueError::new_err(format!("{what}[{i}] = {v} does not fit in int32")))
-        })
-        .collect::<PyResult<Vec<i32>>>()?;
+    };
+    let mut out = Vec::new();
+    let seq = obj.cast::<pyo3::types::PySequence>().map_err(|_| not_ids())?;
+    for (i, item) in seq.try_iter()?.enumerate() {
+        let item = item?;
+        // A bool is an int to Python, but never an id.
+        let v: i64 = if item.is_instance_of::<pyo3::types::PyBool>() { None } else { item.extract().ok() }
+            .ok_or_else(|| PyTypeError::new_err(format!("{what}[{i}] must be an int, got {item:?}")))?;
+        out.push(
+            i32::try_from(v).map_err(|_| PyValueError::new_err(format!("{what}[{i}] = {v} does not fit in int32")))?,
+        );
+    }
     Ok(Int32s::Owned(out))
 }
 
