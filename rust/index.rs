@@ -181,7 +181,7 @@ impl Index {
         self.cfg.state_slots > 0
     }
 
-    /// More host slots became usable (a chunk of a lazily allocated pool).
+    /// More host slots became usable (a pin step of a lazily allocated pool).
     pub fn grow(&mut self, usable_pages: u32, usable_states: u32) {
         self.pages.grow(usable_pages);
         self.states.grow(usable_states);

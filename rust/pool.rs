@@ -88,7 +88,7 @@ impl Pool {
         pool
     }
 
-    /// Makes slots up to `usable` available (a chunk of the host pool was allocated). Never shrinks.
+    /// Makes slots up to `usable` available (a pin step of the host pool was pinned). Never shrinks.
     pub fn grow(&mut self, usable: u32) {
         let usable = usable.min(self.capacity());
         self.usable = self.usable.max(usable);
