@@ -48,13 +48,33 @@ namespace {
 constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
 constexpr int kParamBytes = 32764;
 
+// Division by a divisor fixed for a launch, without the ~20-instruction integer divide: a multiply-high and a
+// shift (the round-up method of Granlund and Montgomery), exact for every dividend below 2^31, which the launch
+// keeps (see `launch`).
+struct Divisor {
+  uint32_t d;
+  uint32_t magic;
+  uint32_t shift;
+
+  __host__ void init(uint32_t divisor) {
+    d = divisor;
+    shift = 0;
+    while ((1ull << shift) < divisor) ++shift;
+    magic = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - divisor)) / divisor + 1);
+  }
+
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, magic)) + n) >> shift);
+  }
+};
+
 struct Head {
   uint64_t host_base;
   uint64_t slot_bytes;
-  uint32_t segment_vecs;  // 16-byte vectors in one layer segment
-  uint32_t layers;
+  Divisor segment_vecs;  // 16-byte vectors in one layer segment
+  Divisor layers;
   uint32_t to_host;
-  uint32_t pad;
+  uint32_t pad[3];
 };
 
 template <int L, int N>
@@ -75,15 +95,15 @@ static_assert(sizeof(Params<KVTIER_MAX_LAYERS, kMaxIds<KVTIER_MAX_LAYERS>>) <= k
 
 template <int L, int N>
 __device__ __forceinline__ void locate(const Params<L, N>& p, uint32_t g, const uint4*& src, uint4*& dst) {
-  const uint32_t c = g / p.h.segment_vecs;
-  const uint32_t v = g - c * p.h.segment_vecs;
-  const uint32_t page = L == 1 ? c : c / p.h.layers;
-  const uint32_t l = L == 1 ? 0 : c - page * p.h.layers;
+  const uint32_t c = p.h.segment_vecs.div(g);
+  const uint32_t v = g - c * p.h.segment_vecs.d;
+  const uint32_t page = L == 1 ? c : p.h.layers.div(c);
+  const uint32_t l = L == 1 ? 0 : c - page * p.h.layers.d;
   const kvtier_layer& layer = p.layer[l];
   char* dev = reinterpret_cast<char*>(layer.base) + static_cast<uint64_t>(p.gpu_id[page]) * layer.stride +
               static_cast<uint64_t>(v) * 16;
   char* host = reinterpret_cast<char*>(p.h.host_base) + static_cast<uint64_t>(p.host_id[page]) * p.h.slot_bytes +
-               (static_cast<uint64_t>(l) * p.h.segment_vecs + v) * 16;
+               (static_cast<uint64_t>(l) * p.h.segment_vecs.d + v) * 16;
   src = reinterpret_cast<const uint4*>(p.h.to_host ? dev : host);
   dst = reinterpret_cast<uint4*>(p.h.to_host ? host : dev);
 }
@@ -120,12 +140,12 @@ int launch(const kvtier_copy_desc* d, const int32_t* gpu_ids, const int32_t* hos
   Params<L, N> p;
   p.h.host_base = d->host_base;
   p.h.slot_bytes = d->slot_bytes;
-  p.h.segment_vecs = static_cast<uint32_t>(d->segment_bytes / 16);
-  p.h.layers = d->num_layers;
+  p.h.segment_vecs.init(static_cast<uint32_t>(d->segment_bytes / 16));
+  p.h.layers.init(d->num_layers);
   p.h.to_host = d->to_host ? 1 : 0;
-  p.h.pad = 0;
+  std::memset(p.h.pad, 0, sizeof(p.h.pad));
   std::memcpy(p.layer, d->layers, sizeof(kvtier_layer) * d->num_layers);
-  const uint64_t page_vecs = static_cast<uint64_t>(p.h.segment_vecs) * d->num_layers;
+  const uint64_t page_vecs = static_cast<uint64_t>(p.h.segment_vecs.d) * d->num_layers;
   // The kernel indexes vectors with 32 bits: keep each launch below 2^31 of them.
   const size_t per_launch = std::min<uint64_t>(N, (static_cast<uint64_t>(INT_MAX) - 1) / page_vecs);
   const uint32_t tile = d->threads * kUnroll;

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array  # noqa: E402
+from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array, layer_views  # noqa: E402
 
 POISON = 0xA5
 
@@ -59,6 +59,39 @@ def test_random_batches_exact_and_poison_kept(layers: int, segment: int, seed: i
         assert np.array_equal(page(pool, int(g)), hv[s])
     rest = np.setdiff1d(np.arange(num_blocks), dst)
     assert all(bool((t[torch.from_numpy(rest)] == POISON).all()) for t in pool)
+
+
+@pytest.mark.parametrize("layers,segment", [(4, 64), (61, 272), (2, 16)])
+def test_layer_views_copy_a_page_first_pool_a_layer_at_a_time(layers: int, segment: int) -> None:
+    """A page-first pool seen as one strided view a layer copies the same host page, whole or a layer at a time."""
+    num_blocks, slots = 12, 10
+    pool = make_pool(1, layers * segment, num_blocks, seed=layers)[0]
+    host = make_host(slots, layers * segment)
+    views = layer_views(pool, layers)
+    assert [tuple(v.shape) for v in views] == [(num_blocks, segment)] * layers
+    parts = PageCopier(views, host)
+    assert parts.num_layers == layers and parts.page_bytes == layers * segment
+    hv = host_array(host)
+    gids, hslots = np.array([7, 2, 9], np.int32), np.array([0, 5, 3], np.int32)
+    parts.to_host(gids, hslots)
+    assert all(np.array_equal(hv[s], pool[g].numpy()) for g, s in zip(gids, hslots, strict=True))
+    hv[:] = np.random.default_rng(0).integers(0, 256, hv.shape, dtype=np.uint8)
+    pool.fill_(POISON)
+    for layer in range(layers - 1):  # all but the last layer: its part of each block keeps the poison
+        parts.to_gpu(hslots, gids, layers=(layer, layer + 1))
+    cut = (layers - 1) * segment
+    for g, s in zip(gids, hslots, strict=True):
+        assert np.array_equal(pool[g, :cut].numpy(), hv[s, :cut]) and (pool[g, cut:] == POISON).all()
+    assert (pool[[0, 1, 3]] == POISON).all()
+
+
+@pytest.mark.parametrize(
+    "page_layers,match",
+    [(0, "positive int, got 0"), (True, "positive int, got True"), (3, "into 3 layer parts"), (8, "into 8 layer")],
+)
+def test_layer_views_rejects_parts_that_do_not_split_the_page(page_layers: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        layer_views(torch.zeros(4, 64, dtype=torch.uint8), page_layers)
 
 
 def test_large_batch_spreads_over_threads() -> None:
@@ -188,6 +221,7 @@ def test_duplicate_sources_are_allowed(setup) -> None:  # type: ignore[no-untype
             r"gpu_pool\[1\] has shape \(5, 64\)",
         ),
         (lambda: (torch.zeros(4, 40, dtype=torch.uint8), 48), ValueError, "multiple of 16, got 40"),
+        (lambda: (torch.zeros(4, 72, dtype=torch.uint8)[:, :64], 64), ValueError, "block stride 72 must be a multiple"),
         (lambda: (torch.zeros(4 * 64 + 1, dtype=torch.uint8)[1:].view(4, 64), 64), ValueError, "not 16-byte aligned"),
         (
             lambda: (torch.zeros(4, 64, dtype=torch.uint8), 128),

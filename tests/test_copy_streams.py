@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array
+from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array, layer_views
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.settings import CacheSettings
@@ -94,28 +94,39 @@ def test_outputs_identical_with_held_back_copies(layout: str, streams: bool, met
     assert WORK.run(e) == off
     s = cache.stats_dict()
     assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0, s
+    assert cache.cache.transfers.num_layers == e.page_layers > 1  # both layouts load a layer at a time
     cache.close()
     cache.cache.index.check()
 
 
 @pytest.mark.gpu
 @cuda
-def test_without_wait_layer_the_model_reads_too_early() -> None:
+@pytest.mark.parametrize("layout", ["page-first", "layer-first"])
+def test_without_wait_layer_the_model_reads_too_early(layout: str) -> None:
     """The control: the held-back loads do reach the model late, so the tests above can fail."""
     kw = dict(device="cuda", dtype="bfloat16")
-    off = WORK.run(engine("layer-first", **kw))
-    e = engine("layer-first", **kw)
+    off = WORK.run(engine(layout, **kw))
+    e = engine(layout, **kw)
     cache = NoLayerWaits(e, 50_000_000, layerwise_loads=True)
     assert WORK.run(e) != off
     assert cache.stats_dict()["hits"] > 0
     cache.close()
 
 
-def _pools(layers: int, segment: int, blocks: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
+def _pools(
+    layers: int, segment: int, blocks: int, slots: int, seed: int, views: bool = False
+) -> tuple[list[torch.Tensor], HostPool]:
+    """Random layer tensors and a pinned host pool of their pages; ``views``: the layer parts of one page-first
+    tensor (``layer_views``) instead of separate tensors."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = [
-        torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(layers)
-    ]
+    if views:
+        pages = torch.randint(0, 256, (blocks, layers * segment), dtype=torch.uint8, device="cuda", generator=gen)
+        pool = layer_views(pages, layers)
+    else:
+        pool = [
+            torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(layers)
+        ]
     host = HostPool(slots, segment * layers, step_bytes=1 << 20)
     host.grow_to(slots)
     return pool, host
@@ -127,12 +138,16 @@ def _page(pool, block: int) -> np.ndarray:  # type: ignore[no-untyped-def]
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("layers,segment", [(1, 256 << 10), (1, 48 << 10), (1, 4096), (5, 64 << 10), (3, 272)])
+@pytest.mark.parametrize(
+    "layers,segment,views",
+    [(1, 256 << 10, False), (1, 48 << 10, False), (1, 4096, False), (5, 64 << 10, False), (3, 272, False)]
+    + [(4, 32 << 10, True), (61, 272, True)],  # the layer parts of a page-first pool
+)
 @pytest.mark.parametrize("method", ["dma", "kernel", "auto"])
-def test_methods_exact_whole_and_per_layer(layers: int, segment: int, method: str) -> None:
+def test_methods_exact_whole_and_per_layer(layers: int, segment: int, views: bool, method: str) -> None:
     rng = np.random.default_rng(layers + segment)
     num_blocks, slots, n = 48, 40, 24
-    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers)
+    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers, views=views)
     copier = PageCopier(pool[0] if layers == 1 else pool, host, method=method)
     stream = CopyStream(torch.cuda.current_device())
     hv = host_array(host)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier import Index, IndexConfig, StaleLookupError
-from kvtier.copy import HostPool, PageCopier
+from kvtier.copy import HostPool, PageCopier, layer_views
 from kvtier.settings import CacheSettings, check_fits
 from kvtier.transfer import Transfers
 
@@ -133,7 +133,11 @@ class HostPrefixCache:
     """A host-memory prefix cache over an engine's paged GPU KV pool.
 
     ``pages`` is the GPU pool: one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of per-layer
-    uint8 tensors ``[num_blocks, segment_bytes]`` (layer-first). Models with per-sequence state (sliding-window
+    uint8 tensors ``[num_blocks, segment_bytes]`` (layer-first). ``page_layers``: the layers a page holds, for
+    layer-wise loads; a page-first page must then be that many equal parts back to back in layer order (as
+    ``[layers, 2, block_size, heads, head_dim]``), and each load is copied and waited for a part at a time; the
+    default is the number of layer tensors (layer-first) or 1 (page-first: a page is one piece, and ``wait_layer``
+    waits for all of it). Models with per-sequence state (sliding-window
     rings, SSM states) pass ``state_bytes`` and two engine callbacks: ``select_state(handle, pos, staging)``
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
@@ -150,6 +154,7 @@ class HostPrefixCache:
         pages: torch.Tensor | Sequence[torch.Tensor],
         *,
         block_size: int,
+        page_layers: int | None = None,
         state_bytes: int = 0,
         select_state: StateFn | None = None,
         load_state: StateFn | None = None,
@@ -168,6 +173,12 @@ class HostPrefixCache:
             raise ValueError(f"pages must be 2-D [num_blocks, bytes per block], got shapes {shapes}")
         self.device = layers[0].device
         self.page_bytes = sum(int(t.shape[1]) for t in layers)
+        if page_layers is not None and len(layers) > 1 and page_layers != len(layers):
+            raise ValueError(
+                f"page_layers={page_layers!r} differs from the {len(layers)} tensors of a layer-first pool"
+            )
+        # A page-first pool that layer-wise loads copy a layer part at a time: its parts, as layer tensors.
+        parts = None if page_layers is None or len(layers) > 1 else layer_views(layers[0], page_layers)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= 2**31 - 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -216,9 +227,7 @@ class HostPrefixCache:
         # The host pools are address space only until they grow (at the first store, or now with preallocate);
         # building the copiers here checks the GPU pool (dtype, shapes, alignment) before anything is stored.
         self._host_pages = HostPool(self.page_slots, self.page_bytes, step_bytes=s.pin_step_bytes)
-        self._copy_pages = PageCopier(
-            pages, self._host_pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes
-        )
+        self._copy_pages = self._copier(pages, s)
         self._host_states: HostPool | None = None
         self._copy_states: PageCopier | None = None
         self._staging: torch.Tensor | None = None
@@ -227,7 +236,12 @@ class HostPrefixCache:
             self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
             self._copy_states = PageCopier(self._staging, self._host_states)
         # The copy streams and their ordering with the engine's stream (kvtier.transfer).
-        self.transfers = Transfers(self._copy_pages, copy_streams=s.copy_streams, layerwise_loads=s.layerwise_loads)
+        self.transfers = Transfers(
+            self._copy_pages,
+            layers=self._copier(parts, s) if parts is not None and len(parts) > 1 else None,
+            copy_streams=s.copy_streams,
+            layerwise_loads=s.layerwise_loads,
+        )
         self._grower: threading.Thread | None = None
         self._closing = threading.Event()
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
@@ -439,6 +453,9 @@ class HostPrefixCache:
         except BaseException:
             self.index.abort(plan.ticket)
             raise
+
+    def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor], s: CacheSettings) -> PageCopier:
+        return PageCopier(pages, self._host_pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes)
 
     def _skipped_while_pinning(self) -> None:
         self._count("store_skipped_pinning")

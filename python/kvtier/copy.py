@@ -3,6 +3,8 @@
 A GPU pool is either one uint8 tensor ``[num_blocks, page_bytes]`` (page-first) or a list of uint8 tensors
 ``[num_blocks, segment_bytes]``, one per layer (layer-first; a page is one segment of each). A state pool is a
 page-first pool of ``[num_states, state_bytes]``. The host page is contiguous, the layer segments back to back.
+A block's bytes must be contiguous, blocks may be further apart: a layer's part of a page-first pool,
+``pool.view(num_blocks, layers, -1)[:, l]``, is a layer tensor too (``layer_views``).
 
 On a CUDA pool, ``to_host``/``to_gpu`` enqueue the batch on the given stream (torch's current stream by default) and
 return at once, by the copy kernel or the copy engine (``method``: "auto" takes the copy engine for pieces of at
@@ -37,6 +39,7 @@ __all__ = [
     "PageCopier",
     "dma_supported",
     "host_array",
+    "layer_views",
 ]
 
 METHODS = ("auto", "kernel", "dma")
@@ -53,6 +56,20 @@ def host_array(pool: HostPool) -> np.ndarray:
         return np.empty((0, pool.slot_bytes), dtype=np.uint8)
     buf = (ctypes.c_uint8 * (rows * pool.slot_bytes)).from_address(pool.base_ptr)
     return np.ctypeslib.as_array(buf).reshape(rows, pool.slot_bytes)
+
+
+def layer_views(pool: torch.Tensor, page_layers: int) -> list[torch.Tensor]:
+    """A page-first pool ``[num_blocks, page_bytes]`` whose page is ``page_layers`` equal parts back to back, as one
+    strided ``[num_blocks, page_bytes / page_layers]`` view a part: the layer-first pool of the same bytes."""
+    if isinstance(page_layers, bool) or not isinstance(page_layers, (int, np.integer)) or page_layers < 1:
+        raise ValueError(f"page_layers must be a positive int, got {page_layers!r}")
+    page_layers = int(page_layers)
+    num_blocks, page_bytes = pool.shape
+    if page_bytes % page_layers or (page_bytes // page_layers) % 16:
+        raise ValueError(
+            f"a page of {page_bytes} bytes does not split into {page_layers} layer parts of a multiple of 16 bytes"
+        )
+    return list(pool.view(num_blocks, page_layers, page_bytes // page_layers).unbind(1))
 
 
 def _ids(ids: Any, what: str) -> Any:
@@ -98,8 +115,10 @@ class PageCopier:
                 raise TypeError(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
             if t.dim() != 2:
                 raise ValueError(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+            if t.stride(1) != 1 and t.shape[1] > 1:
+                raise ValueError(
+                    f"{name} must have contiguous rows (stride 1 within a block), got strides {t.stride()}"
+                )
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
             if t.shape != tensors[0].shape:

@@ -11,6 +11,8 @@ What it needs from the engine: ``engine.cache_config.block_size``; the GPU pools
 model has state, with ``engine.select_state`` / ``engine.load_state`` and ``engine.ring_slack``;
 ``engine.scheduler.try_allocate_seq(seq)``; and on a sequence ``block_table``, ``request_id``,
 ``chunked_rest_len``, ``get_len()``, ``data.get_token_ids()``, ``num_cached_tokens``, ``cached_hit_tokens``.
+Optionally ``engine.page_layers``: the layers a page-first page holds, back to back in layer order; layer-wise
+loads then copy and wait a layer at a time (without it, a page is one piece).
 
 With L3, the objects' fingerprint covers the model: ``model_identity(engine)`` digests the engine's config
 (``engine.config``: a dataclass, ``to_dict()`` or attributes) and its weights (the names, shapes and dtypes of every
@@ -119,6 +121,7 @@ class Cache:
         pages = engine.gpu_blocks if getattr(engine, "gpu_blocks", None) is not None else engine.gpu_layers
         has_state = getattr(engine, "gpu_states", None) is not None and getattr(engine, "state_bytes", 0) > 0
         settings.setdefault("ring_slack", getattr(engine, "ring_slack", None))
+        settings.setdefault("page_layers", getattr(engine, "page_layers", None))
         if settings.get("l3") or (settings.get("env") or os.environ).get("KVTIER_L3"):
             # L3 keys name the model and the shard (the caller's, or what the engine has).
             if settings.get("fingerprint_fields") is None:

@@ -28,18 +28,28 @@ from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, PageCopier
 class Transfers:
     """The copy streams and events of one cache (one device).
 
-    ``pages`` copies the page pool; ``layerwise_loads`` issues loads a layer at a time (layer-first pools; a
-    page-first pool's page is one piece, so its load is one group and ``wait_layer`` waits for all of it).
+    ``pages`` copies the page pool; ``layerwise_loads`` issues loads a layer at a time through ``layers``, the same
+    pool seen one tensor a layer (default ``pages``: a layer-first pool is that already; a page-first pool given as
+    one tensor loads as one group, and ``wait_layer`` waits for all of it, unless ``layers`` is its
+    ``copy.layer_views``).
     """
 
-    def __init__(self, pages: PageCopier, *, copy_streams: bool = True, layerwise_loads: bool = False) -> None:
+    def __init__(
+        self,
+        pages: PageCopier,
+        *,
+        layers: PageCopier | None = None,
+        copy_streams: bool = True,
+        layerwise_loads: bool = False,
+    ) -> None:
         self._pages = pages
+        self._layers = layers if layers is not None else pages
         self._device: int = pages.cuda_index if pages.cuda_index is not None else -1  # -1: a CPU pool
         self.completions: CompletionQueue = pages.completion_queue()
         on_gpu = pages.cuda_index is not None
         self.copy_streams = copy_streams and on_gpu
         self.layerwise_loads = layerwise_loads and self.copy_streams
-        self._num_layers = pages.num_layers
+        self._num_layers = self._layers.num_layers
         # The stream objects own the handles: keep them for the life of the cache.
         self._streams = [CopyStream(self._device), CopyStream(self._device)] if self.copy_streams else []
         self._d2h = self._streams[0].handle if self._streams else 0
@@ -54,6 +64,11 @@ class Transfers:
         # Layer-wise loads: the event after the latest load of each layer that the engine has not waited for yet.
         self._layer_events: list[CopyEvent | None] = [None] * self._num_layers
         self._last_load: CopyEvent | None = None
+
+    @property
+    def num_layers(self) -> int:
+        """The layer parts a layer-wise load issues one at a time (and ``wait_layer`` takes)."""
+        return self._num_layers
 
     # Streams
 
@@ -115,7 +130,7 @@ class Transfers:
             return used
         used = ""
         for layer in range(self._num_layers):
-            used = self._pages.to_gpu(host_slots, gpu_ids, self._h2d, layers=(layer, layer + 1))
+            used = self._layers.to_gpu(host_slots, gpu_ids, self._h2d, layers=(layer, layer + 1))
             self._layer_events[layer] = self._last_load = self._event(self._h2d)
         return used
 
@@ -135,11 +150,13 @@ class Transfers:
 
     def wait_layer(self, layer: int) -> None:
         """Make the engine's stream wait for the pending loads of ``layer`` before the model reads its KV."""
+        n = self._num_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0 or 1 < n <= layer:
+            bound = f"0 to {n - 1} (the pool's layer parts)" if n > 1 else ">= 0"
+            raise ValueError(f"layer must be an int {bound}, got {layer!r}")
         if not self.layerwise_loads:
             return
-        i = layer if self._num_layers > 1 else 0
-        if not 0 <= i < self._num_layers:
-            raise ValueError(f"layer {layer} is outside the pool's {self._num_layers} layers")
+        i = int(layer) if n > 1 else 0
         ev = self._layer_events[i]
         if ev is not None:
             self._layer_events[i] = None

@@ -6,8 +6,8 @@ direction (host->device, device->host, both at once on two streams) and method (
 through one ``cudaMemcpyBatchAsync`` a batch, auto), copies pages with random ids (so no two pages make one
 contiguous piece) and reports GB/s (1e9 bytes/s) next to a ``copy_`` of one pinned buffer of the same bytes.
 
-Cost: a bf16 8192^3 GEMM loop's TFLOP/s alone and while pages stream at full rate in one direction, per method and
-page size, with the copy rate reached meanwhile.
+Cost: a bf16 8192^3 GEMM loop's TFLOP/s alone and while pages stream at full rate in one direction, per method,
+kernel grid and page size, with the copy rate reached meanwhile.
 
 Run: ``kvtier bench copy [--json] [--plot FILE.png]`` or ``python -m kvtier.bench.copy``.
 """
@@ -239,7 +239,9 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             pages.close()
 
 
-def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows: list[dict[str, Any]]) -> None:
+def _gemm_cost(
+    args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any, rows: list[dict[str, Any]]
+) -> None:
     """A bf16 GEMM loop on one stream; pages streaming on another for longer than the loop runs."""
     m = 8192
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -268,8 +270,10 @@ def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows
     for page in args.gemm_sizes:
         n = max(1, min(args.mib << 20, half) // page)
         pages = _Pages(torch, dev, 1, page, n, pinned, rng)
-        for method, d in itertools.product(args.methods, ("h2d", "d2h")):
-            c = pages.copier(method=method)
+        for method, ctas, d in itertools.product(args.methods, args.ctas, ("h2d", "d2h")):
+            if method == "dma" and ctas != args.ctas[0]:
+                continue  # the copy engine has no grid
+            c = pages.copier(method=method, ctas=ctas or sms, threads=args.threads)
             h = copy_stream.cuda_stream
 
             def batch(c: Any = c, d: str = d, pages: _Pages = pages, h: int = h) -> str:
@@ -304,6 +308,7 @@ def _gemm_cost(args: argparse.Namespace, torch: Any, dev: Any, pinned: Any, rows
                 "page_bytes": page,
                 "method": method,
                 "used": used,
+                "ctas": ctas or sms,
                 "gemm_tflops_alone": round(base, 1),
                 "gemm_tflops_during": round(during, 1),
                 "loss": round(1 - during / base, 4),
@@ -331,7 +336,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     pinned = torch.empty(2 * (args.mib << 20), dtype=torch.uint8).pin_memory()
     _rates(args, torch, dev, sms, pinned, rows)
     if args.gemm_sizes:
-        _gemm_cost(args, torch, dev, pinned, rows)
+        _gemm_cost(args, torch, dev, sms, pinned, rows)
     if args.pin_gib > 0:
         row = _pin_rate(args.pin_gib)
         rows.append(row)

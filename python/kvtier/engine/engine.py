@@ -73,6 +73,7 @@ class Engine:
         self.page_bytes = config.page_bytes
         self.block_bytes_per_layer = config.block_bytes_per_layer
         self.num_full_layers = config.num_full_layers
+        self.page_layers = config.num_full_layers  # a page holds these layers' K/V, in layer order (both layouts)
         self.num_sliding_layers = config.num_sliding_layers
         self.window = config.window
         self.ring_slack = config.ring_slack
