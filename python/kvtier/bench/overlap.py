@@ -3,8 +3,11 @@
 1. Time to first token of a long cached prefix plus an uncached suffix (default 32K + 2K tokens, the medium model
    in bfloat16): with the cache off; with whole loads (the engine's stream waits for the whole load before the
    suffix's prefill); with layer-wise loads (it waits per layer, in ``wait_layer``). In the same run: the load
-   alone (the prefix's pages host->GPU, timed with events) and the suffix's prefill alone (the prefix's blocks
-   taken as they are, no copy), so the layer-wise figure can be set against max(load, prefill).
+   alone (the prefix's pages host->GPU, one synchronized copy) and the suffix's prefill alone (the prefix's blocks
+   taken as they are, no copy), so the layer-wise figure can be set against max(load, prefill). The modes take
+   turns request by request; rows give each mode's median and fastest request (the reference engine is host-bound,
+   and its fastest request is the one the host disturbed least) and the host time of the cache's calls before the
+   first token.
 2. Decode step time while a store of the same prefix length streams GPU->host: a few sequences decode; between
    steps a 32K-token prompt's blocks are stored (the store call's own time is counted in the step after it); the
    steps until the store completes are timed against the three steps before each store, with copy streams and
@@ -60,6 +63,30 @@ class _NoCopy:
 
     def forget(self, request_id: str) -> None:
         pass
+
+
+class _Timed:
+    """Forwards every call to a cache and adds up the host time of those an engine makes before a request's first
+    token (``poll``, ``try_resume``, ``wait_layer``): kvtier's own share of a TTFT."""
+
+    BEFORE_FIRST_TOKEN = ("poll", "try_resume", "wait_layer")
+
+    def __init__(self, cache: Any) -> None:
+        self._cache, self.seconds = cache, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._cache, name)
+        if name not in self.BEFORE_FIRST_TOKEN:
+            return fn
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
 
 
 def _emit(row: dict[str, Any], as_json: bool) -> None:
@@ -133,6 +160,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     page_bytes = engine.page_bytes
     host_bytes = (blocks_per_seq + 64) * page_bytes * 3
     out: dict[str, list[float]] = {"prefill_alone": [], "whole_loads": [], "layerwise_loads": []}
+    calls: dict[str, list[float]] = {"whole_loads": [], "layerwise_loads": []}  # host time in the cache's calls
     # Warm the engine's kernels once.
     _ttft(engine, "warm", prompt()[: 4 * bs + 3])
     out["cache_off"] = [_ttft(engine, "off", prompt())]
@@ -147,7 +175,8 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     # modes: its layer-wise switch is flipped between requests (nothing is in flight then).
     for i in range(args.reps + 1):
         for mode in ("prefill_alone", "whole_loads", "layerwise_loads"):
-            engine.cache = no_copy if mode == "prefill_alone" else cache
+            timed = _Timed(cache)
+            engine.cache = no_copy if mode == "prefill_alone" else timed
             xfer.layerwise_loads = mode == "layerwise_loads"
             rid = f"{mode}{i}"
             t = _ttft(engine, rid, prompt())
@@ -156,6 +185,8 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
                 raise SystemExit(f"{mode}: expected a hit of {pre} tokens, got {engine.stats[rid].cached_tokens}")
             if i:  # the first round warms each path
                 out[mode].append(t)
+                if mode in calls:
+                    calls[mode].append(timed.seconds)
     cache.close()
     engine.cache = None
     # The load alone: the prefix's pages into the GPU pool with the cache's method, on a stream of its own.
@@ -196,6 +227,8 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
         row[f"{name}_over_max"] = round(statistics.median(out[mode]) / max(load, prefill), 3)
         # The fastest of each mode: the run least disturbed by the host, which the reference engine is bound by.
         row[f"{name}_over_max_fastest"] = round(min(out[mode]) / max(load, min(out["prefill_alone"])), 3)
+    for mode, v in calls.items():
+        row[f"{mode}_cache_calls_ms"] = round(statistics.median(v) * 1e3, 2)
     row["prefill_alone_spread"] = round(max(out["prefill_alone"]) / min(out["prefill_alone"]), 3)
     row["reps"] = len(out["layerwise_loads"])
     rows.append(row)
