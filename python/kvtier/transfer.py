@@ -28,10 +28,10 @@ from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, PageCopier
 class Transfers:
     """The copy streams and events of one cache (one device).
 
-    ``pages`` copies the page pool; ``layerwise_loads`` issues loads a layer at a time through ``layers``, the same
-    pool seen one tensor a layer (default ``pages``: a layer-first pool is that already; a page-first pool given as
-    one tensor loads as one group, and ``wait_layer`` waits for all of it, unless ``layers`` is its
-    ``copy.layer_views``).
+    ``pages`` copies the page pool. ``layerwise_loads`` issues each load a layer at a time through ``layers``, the
+    same pool as one tensor a layer: by default ``pages`` (a layer-first pool is that already; a page-first pool then
+    loads as one piece, and ``wait_layer`` waits for all of it), or a copier over ``copy.layer_views`` of a
+    page-first pool.
     """
 
     def __init__(
