@@ -81,6 +81,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _method_grids(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The (method, kernel grid) pairs to measure: the copy engine has no grid, so it runs once."""
+    return [(m, c) for m, c in itertools.product(args.methods, args.ctas) if m != "dma" or c == args.ctas[0]]
+
+
 class _Timer:
     """Times work enqueued on streams with CUDA events; a GPU sleep first hides the host's enqueue time."""
 
@@ -199,9 +204,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
                 t_mc = timer.run(mc, args.reps)
                 bytes_moved = (2 if d == "both" else 1) * total
                 memcpy_gbps = bytes_moved / t_mc / 1e9
-                for method, ctas in itertools.product(args.methods, args.ctas):
-                    if method == "dma" and ctas != args.ctas[0]:
-                        continue
+                for method, ctas in _method_grids(args):
                     kw = {"crossover_bytes": args.crossover[0]} if args.crossover else {}
                     c = pages.copier(ctas=ctas or sms, threads=args.threads, method=method, **kw)
                     used: dict[str, str] = {}
@@ -270,9 +273,7 @@ def _gemm_cost(
     for page in args.gemm_sizes:
         n = max(1, min(args.mib << 20, half) // page)
         pages = _Pages(torch, dev, 1, page, n, pinned, rng)
-        for method, ctas, d in itertools.product(args.methods, args.ctas, ("h2d", "d2h")):
-            if method == "dma" and ctas != args.ctas[0]:
-                continue  # the copy engine has no grid
+        for (method, ctas), d in itertools.product(_method_grids(args), ("h2d", "d2h")):
             c = pages.copier(method=method, ctas=ctas or sms, threads=args.threads)
             h = copy_stream.cuda_stream
 
