@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier import Index, IndexConfig, StaleLookupError
-from kvtier.copy import HostPool, PageCopier, layer_views
+from kvtier.copy import HostPool, PageCopier, is_int, layer_views
 from kvtier.settings import CacheSettings, check_fits
 from kvtier.transfer import Transfers
 
@@ -96,7 +96,7 @@ def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table
     else:
         if set(map(type, table)) != {int}:  # the common case (plain ints) is one quick pass
             for i, b in enumerate(table):
-                if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
+                if not is_int(b):
                     raise TypeError(f"{what}[{i}] must be an int, got {type(b).__name__} {b!r}")
         head = table[:needed]
     if len(head) < needed:
@@ -122,7 +122,7 @@ def _check_call(request_id: Any, namespace: Any) -> None:
 def _seq_len(seq_len: Any) -> int | None:
     if seq_len is None:
         return None
-    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+    if not is_int(seq_len):
         raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__} {seq_len!r}")
     if not 0 <= int(seq_len) < SEQ_LEN_LIMIT:
         raise ValueError(f"seq_len must be in [0, 2**63), got {int(seq_len)}")
@@ -185,7 +185,7 @@ class HostPrefixCache:
         self.page_slots = s.host_bytes // max(self.page_bytes, 1)
         if self.page_slots < 1:
             raise ValueError(f"host_bytes {s.host_bytes} holds no page of {self.page_bytes} bytes")
-        if isinstance(state_bytes, bool) or not isinstance(state_bytes, (int, np.integer)) or state_bytes < 0:
+        if not is_int(state_bytes) or state_bytes < 0:
             raise ValueError(f"state_bytes must be an int >= 0, got {state_bytes!r}")
         self.state_bytes = int(state_bytes)
         state_slots = s.state_slots

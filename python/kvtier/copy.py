@@ -58,10 +58,15 @@ def host_array(pool: HostPool) -> np.ndarray:
     return np.ctypeslib.as_array(buf).reshape(rows, pool.slot_bytes)
 
 
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, and not a bool (an int to Python, never a count or an id)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def layer_views(pool: torch.Tensor, page_layers: int) -> list[torch.Tensor]:
     """A page-first pool ``[num_blocks, page_bytes]`` whose page is ``page_layers`` equal parts back to back, as one
     strided ``[num_blocks, page_bytes / page_layers]`` view a part: the layer-first pool of the same bytes."""
-    if isinstance(page_layers, bool) or not isinstance(page_layers, (int, np.integer)) or page_layers < 1:
+    if not is_int(page_layers) or page_layers < 1:
         raise ValueError(f"page_layers must be a positive int, got {page_layers!r}")
     page_layers = int(page_layers)
     num_blocks, page_bytes = pool.shape

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, PageCopier
+from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, PageCopier, is_int
 
 
 class Transfers:
@@ -151,7 +151,7 @@ class Transfers:
     def wait_layer(self, layer: int) -> None:
         """Make the engine's stream wait for the pending loads of ``layer`` before the model reads its KV."""
         n = self._num_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0 or 1 < n <= layer:
+        if not is_int(layer) or layer < 0 or 1 < n <= layer:
             bound = f"0 to {n - 1} (the pool's layer parts)" if n > 1 else ">= 0"
             raise ValueError(f"layer must be an int {bound}, got {layer!r}")
         if not self.layerwise_loads:
