@@ -1,7 +1,8 @@
 """`kvtier bench copy`: the copy kernel and the copy engine against the same run's contiguous memcpy, and what
 each costs the model.
 
-Rates: for each layout (page-first; layer-first with 61 layers, segment = page / 61 rounded to 16 bytes), page size,
+Rates: for each layout (page-first; layer-first with 61 layers, segment = page / 61 rounded to ``--segment-align``
+bytes, 128 by default as a model's segments are: tokens x heads x head_dim x dtype), page size,
 direction (host->device, device->host, both at once on two streams) and method (kernel, dma = the copy engine
 through one ``cudaMemcpyBatchAsync`` a batch, auto), copies pages with random ids (so no two pages make one
 contiguous piece) and reports GB/s (1e9 bytes/s) next to a ``copy_`` of one pinned buffer of the same bytes.
@@ -57,6 +58,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", type=_names, default=list(METHODS), help="kernel, dma, auto")
     ap.add_argument("--ctas", type=_ints, default=[8], help="kernel grid sizes to try; 0 = one CTA per SM")
     ap.add_argument("--threads", type=at_least(32), default=512, help="threads per CTA")
+    ap.add_argument(
+        "--segment-align", type=at_least(16), default=128, help="layer-first segments: a multiple of these bytes"
+    )
     ap.add_argument("--crossover", type=_sizes, default=None, help="auto's crossover in bytes (default: built-in)")
     ap.add_argument("--layouts", type=_names, default=["page", "layer"], help="page (page-first), layer (layer-first)")
     ap.add_argument("--directions", type=_names, default=list(DIRECTIONS), help="h2d, d2h, both")
@@ -74,6 +78,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.segment_align % 16:
+        ap.error(f"argument --segment-align: must be a multiple of 16 bytes, got {args.segment_align}")
     lists = (("page-sizes", args.page_sizes, 1), ("ctas", args.ctas, 0), ("gemm-sizes", args.gemm_sizes or [1], 1))
     for name, values, low in lists:
         if not values or min(values) < low:
@@ -179,7 +185,8 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
     rng = np.random.default_rng(0)
     for layout in args.layouts:
         for page in args.page_sizes:
-            segment = max(16, round(page / LAYERS / 16) * 16) if layout == "layer" else page
+            a = args.segment_align
+            segment = max(a, round(page / LAYERS / a) * a) if layout == "layer" else page
             layers = LAYERS if layout == "layer" else 1
             page_bytes = segment * layers
             total = min(args.mib << 20, args.max_pieces * segment, half)
