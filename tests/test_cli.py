@@ -54,7 +54,16 @@ def test_unknown_command_is_refused(capsys):
     assert "unknown command" in capsys.readouterr().err
 
 
-SUBCOMMANDS = [["demo"], ["soak"], ["info"], ["bench", "index"], ["bench", "copy"], ["bench", "l3"], ["bench", "pin"]]
+SUBCOMMANDS = [
+    ["demo"],
+    ["soak"],
+    ["info"],
+    ["bench", "index"],
+    ["bench", "copy"],
+    ["bench", "overlap"],
+    ["bench", "l3"],
+    ["bench", "pin"],
+]
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS, ids=" ".join)
@@ -93,6 +102,11 @@ BAD = [
     (["bench", "index", "--page-slots", "-3"], "--page-slots: must be >= 1"),
     (["bench", "copy", "--mib", "0"], "--mib: must be >= 1"),
     (["bench", "copy", "--page-sizes", "-4"], "--page-sizes: every value must be >= 1"),
+    (["bench", "copy", "--segment-align", "24"], "--segment-align: must be a multiple of 16 bytes, got 24"),
+    (["bench", "overlap", "--reps", "0"], "--reps: must be >= 1"),
+    (["bench", "overlap", "--prefix-tokens", "8"], "--prefix-tokens: must be >= 16"),
+    (["bench", "overlap", "--layouts", "diagonal"], "--layouts: each must be one of layer-first, page-first"),
+    (["bench", "overlap", "--method", "fast"], "--method: invalid choice"),
     (["bench", "l3", "--groups", "0"], "--groups: must be >= 1"),
     (["bench", "pin", "--host-gib", "0"], "--host-gib: must be > 0"),
     (["bench", "pin", "--after-seconds", "-1"], "--after-seconds: must be >= 0"),

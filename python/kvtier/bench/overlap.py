@@ -30,20 +30,32 @@ from typing import Any
 
 import numpy as np
 
+BLOCK_SIZE = 16
+LAYOUTS = ("layer-first", "page-first")
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvtier bench overlap", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="medium", help="reference engine preset")
+    from kvtier.cli import at_least, parser
+    from kvtier.engine.config import PRESETS
+
+    ap = parser("kvtier bench overlap", __doc__.splitlines()[0])
+    ap.add_argument("--model", default="medium", choices=sorted(PRESETS), help="reference engine preset")
     ap.add_argument("--device", default="cuda", help="cuda (cpu only to try the script quickly)")
     ap.add_argument("--layouts", default="layer-first,page-first", help="layer-first and/or page-first")
-    ap.add_argument("--prefix-tokens", type=int, default=32768)
-    ap.add_argument("--suffix-tokens", type=int, default=2048)
-    ap.add_argument("--method", default="auto", help="copy_method of the cache")
-    ap.add_argument("--reps", type=int, default=5, help="requests timed per mode (the median is reported)")
-    ap.add_argument("--decode-seqs", type=int, default=4, help="sequences decoding while stores stream")
-    ap.add_argument("--stores", type=int, default=20, help="stores timed (each a fresh prompt)")
+    ap.add_argument("--prefix-tokens", type=at_least(BLOCK_SIZE), default=32768, help="cached prefix")
+    ap.add_argument("--suffix-tokens", type=at_least(1), default=2048, help="uncached suffix")
+    ap.add_argument("--method", default="auto", choices=("auto", "kernel", "dma"), help="copy_method of the cache")
+    ap.add_argument("--reps", type=at_least(1), default=5, help="requests timed per mode (the median is reported)")
+    ap.add_argument("--decode-seqs", type=at_least(1), default=4, help="sequences decoding while stores stream")
+    ap.add_argument("--stores", type=at_least(1), default=20, help="stores timed (each a fresh prompt)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        ap.error(f"argument --layouts: each must be one of {', '.join(LAYOUTS)}, got {args.layouts!r}")
+    args.layouts = layouts
+    return args
 
 
 class _NoCopy:
@@ -117,9 +129,6 @@ def _ttft(engine: Any, rid: str, prompt: list[int]) -> float:
 def _settle(cache: Any) -> None:
     _sync()
     cache.poll()
-
-
-BLOCK_SIZE = 16
 
 
 def _config(args: argparse.Namespace, layout: str, *, num_gpu_blocks: int, chunk_size: int, max_batch: int) -> Any:
@@ -271,7 +280,8 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
         # The store's blocks: a sequence the scheduler allocates but the engine never runs (the bytes are whatever
         # the pool holds; the copy is the same).
         holder = Seq("holder", [0] * pre, 1)
-        assert engine.scheduler.try_allocate_seq(holder)
+        if not engine.scheduler.try_allocate_seq(holder):
+            raise RuntimeError("the GPU pool has no room for the stored prompt's blocks")
         holder.num_computed_tokens = pre  # as if prefilled: its state windows are in its rings
         table = holder.block_table[:store_blocks]
 
@@ -291,7 +301,8 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
             tokens = rng.integers(0, config.vocab, pre).tolist()
             # Admission, as the engine's try_resume does it: a miss, which hashes the prompt's chain for its store.
             t0 = time.perf_counter()
-            assert cache.cache.resume(f"s{k}", tokens, allocate=lambda: None) == 0
+            if cache.cache.resume(f"s{k}", tokens, allocate=lambda: None) != 0:
+                raise RuntimeError(f"a fresh prompt was a hit: {cache.stats_dict()}")
             admission.append(time.perf_counter() - t0)
             _settle(cache.cache)
             base += [timed_step() for _ in range(3)]
@@ -338,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit("kvtier bench overlap needs a CUDA device")
-    for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
+    for layout in args.layouts:
         for row in ttft_rows(args, layout) + decode_rows(args, layout):
             _emit(row, args.json)
     return 0
