@@ -7,9 +7,10 @@
 //! `C` is `keyed_hash(k_chain, prev || digest)` truncated to 128 bits: a collision of two chains needs a collision
 //! of `C` or of `D`, as in a Merkle-Damgard chain over fixed-length digests.
 //!
-//! A request's chain only grows: its tokens may only be extended until the request is forgotten, so a call for a
-//! known request checks cheaply that the prompt still extends what was hashed (length, first and last hashed
-//! block) and hashes only the new blocks.
+//! A request's chain only grows: its tokens may only be extended until the request is forgotten. The chain keeps
+//! the tokens it hashed, so a call for a known request checks that the prompt still extends them and hashes only
+//! the new blocks: in full (every token compared) before anything is loaded or stored under its keys, or only at
+//! the ends (length, first and last hashed block) for a lookup that just answers.
 use crate::error::{invalid, Result};
 
 /// A block key.
@@ -182,6 +183,28 @@ pub trait TokenIds {
     fn as_i32(&self) -> Option<&[i32]> {
         None
     }
+    /// The offset of the first id of `start..start + expected.len()` that differs from `expected`, None when all
+    /// are equal. One pass: a memcmp for int32 ids held in place, a read and compare for the others.
+    fn diff(&self, start: usize, expected: &[i32]) -> Result<Option<usize>> {
+        if let Some(all) = self.as_i32() {
+            let got = &all[start..start + expected.len()];
+            return Ok((got != expected).then(|| first_difference(got, expected)));
+        }
+        const STEP: usize = 4096;
+        let mut buf = vec![0; STEP.min(expected.len())];
+        for (i, want) in expected.chunks(STEP).enumerate() {
+            let got = &mut buf[..want.len()];
+            self.read(start + i * STEP, got)?;
+            if got != want {
+                return Ok(Some(i * STEP + first_difference(got, want)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn first_difference(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
 }
 
 /// The error of a token id out of range.
@@ -248,6 +271,9 @@ where
     fn as_i32(&self) -> Option<&[i32]> {
         (**self).as_i32()
     }
+    fn diff(&self, start: usize, expected: &[i32]) -> Result<Option<usize>> {
+        (**self).diff(start, expected)
+    }
 }
 
 impl<T> TokenIds for Vec<T>
@@ -263,15 +289,27 @@ where
     fn as_i32(&self) -> Option<&[i32]> {
         self.as_slice().as_i32()
     }
+    fn diff(&self, start: usize, expected: &[i32]) -> Result<Option<usize>> {
+        self.as_slice().diff(start, expected)
+    }
 }
 
-/// One request's chain: its namespace, the keys of the full blocks hashed so far, and the first and last of
-/// those blocks (to check that a later call still extends the same prompt).
+/// How much of a known request's prompt a call compares with the tokens hashed for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// Every hashed token: before anything is loaded into the engine's blocks or stored under the chain's keys.
+    Full,
+    /// The length and the first and last hashed blocks: a lookup that only answers (a deferred request asking
+    /// again), which serves nothing.
+    Ends,
+}
+
+/// One request's chain: its namespace, the keys of the full blocks hashed so far and those blocks' tokens (to
+/// check that a later call still extends the same prompt).
 #[derive(Clone, Debug, Default)]
 pub struct Chain {
     namespace: Vec<u8>,
-    first: Vec<i32>,
-    last: Vec<i32>,
+    tokens: Vec<i32>,
     keys: Vec<Key>,
 }
 
@@ -281,16 +319,18 @@ impl Chain {
     }
 
     /// Tokens hashed so far (full blocks).
-    pub fn hashed_tokens(&self, block_size: usize) -> usize {
-        self.keys.len() * block_size
+    pub fn hashed_tokens(&self) -> usize {
+        self.tokens.len()
     }
 
-    /// Why `tokens` under `namespace` do not extend what was hashed, if they do not. Reads at most two blocks.
+    /// Why `tokens` under `namespace` do not extend what was hashed, if they do not. `Check::Full` compares every
+    /// hashed token, `Check::Ends` the first and last hashed blocks.
     pub fn mismatch<T: TokenIds + ?Sized>(
         &self,
         block_size: usize,
         namespace: &[u8],
         tokens: &T,
+        check: Check,
     ) -> Result<Option<String>> {
         if self.keys.is_empty() {
             return Ok(None);
@@ -298,23 +338,26 @@ impl Chain {
         if namespace != self.namespace.as_slice() {
             return Ok(Some("its namespace differs from the one it was hashed under".to_owned()));
         }
-        let hashed = self.hashed_tokens(block_size);
+        let hashed = self.tokens.len();
         if tokens.len() < hashed {
             return Ok(Some(format!("the prompt has {} tokens, fewer than the {hashed} already hashed", tokens.len())));
         }
-        let mut buf = vec![0; block_size];
-        tokens.read(0, &mut buf)?;
-        if buf != self.first {
-            return Ok(Some(format!("its first block (tokens 0..{block_size}) differs from the one hashed")));
-        }
-        tokens.read(hashed - block_size, &mut buf)?;
-        if buf != self.last {
-            return Ok(Some(format!(
-                "its block at tokens {}..{hashed} differs from the one hashed",
-                hashed - block_size
-            )));
-        }
-        Ok(None)
+        let last = hashed - block_size;
+        let differs = match check {
+            Check::Full => tokens.diff(0, &self.tokens)?,
+            Check::Ends => match tokens.diff(0, &self.tokens[..block_size])? {
+                None => tokens.diff(last, &self.tokens[last..])?.map(|i| last + i),
+                first => first,
+            },
+        };
+        Ok(differs.map(|i| {
+            let b = i / block_size;
+            format!(
+                "token {i} (in its block at tokens {}..{}) differs from the one hashed",
+                b * block_size,
+                (b + 1) * block_size
+            )
+        }))
     }
 
     /// Extends the chain over the full blocks of `tokens` past those hashed; the caller has checked `mismatch`.
@@ -351,11 +394,10 @@ impl Chain {
         };
         if from == 0 {
             self.namespace = namespace.to_vec();
-            self.first = new[..block_size].to_vec();
         }
         let prev = self.keys.last().copied().unwrap_or_else(|| hasher.root(namespace));
         hasher.extend(prev, new, block_size, &mut self.keys);
-        self.last = new[new.len() - block_size..].to_vec();
+        self.tokens.extend_from_slice(new);
         Ok(to - from)
     }
 }
@@ -608,7 +650,7 @@ mod tests {
             let t = toks(100, 3);
             let mut c = Chain::default();
             assert_eq!(c.extend(&h, 16, b"", &t[..40]).unwrap(), 2);
-            assert_eq!(c.mismatch(16, b"", &t[..]).unwrap(), None);
+            assert_eq!(c.mismatch(16, b"", &t[..], Check::Full).unwrap(), None);
             assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 4);
             assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 0);
             assert_eq!(c.keys(), chain_of(&h, 16, b"", &t));
@@ -621,18 +663,26 @@ mod tests {
         let t = toks(64, 3);
         let mut c = Chain::default();
         c.extend(&h, 16, b"", &t[..]).unwrap();
-        let why = |ns: &[u8], p: &[i32]| c.mismatch(16, ns, p).unwrap().unwrap_or_default();
-        assert!(why(b"", &t[..50]).contains("50 tokens, fewer than the 64"));
-        assert!(why(b"x", &t[..]).contains("namespace"));
-        let mut first = t.clone();
-        first[2] += 1;
-        assert!(why(b"", &first).contains("first block"));
-        let mut last = t.clone();
-        last[63] += 1;
-        assert!(why(b"", &last).contains("tokens 48..64"));
+        let why = |ns: &[u8], p: &[i32], check| c.mismatch(16, ns, p, check).unwrap().unwrap_or_default();
+        for check in [Check::Full, Check::Ends] {
+            assert!(why(b"", &t[..50], check).contains("50 tokens, fewer than the 64"));
+            assert!(why(b"x", &t[..], check).contains("namespace"));
+            let mut first = t.clone();
+            first[2] += 1;
+            assert!(why(b"", &first, check).contains("token 2 (in its block at tokens 0..16)"));
+            let mut last = t.clone();
+            last[63] += 1;
+            assert!(why(b"", &last, check).contains("token 63 (in its block at tokens 48..64)"));
+        }
         let mut middle = t.clone();
         middle[20] += 1;
-        assert_eq!(why(b"", &middle), "", "only the first and last hashed blocks are compared");
+        assert!(why(b"", &middle, Check::Full).contains("token 20 (in its block at tokens 16..32)"));
+        assert_eq!(why(b"", &middle, Check::Ends), "", "an answering lookup compares the ends only");
+        // Ids held in another width are compared the same way, chunk by chunk.
+        let mut wide: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
+        assert_eq!(c.mismatch(16, b"", &wide, Check::Full).unwrap(), None);
+        wide[40] += 1;
+        assert!(c.mismatch(16, b"", &wide, Check::Full).unwrap().unwrap().contains("token 40"));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! (entries become ready, references drop) or aborted (new entries are discarded).
 use std::collections::HashMap;
 
-use crate::chain::{BlockHasher, Chain, HashKind, Key, TokenIds};
+use crate::chain::{BlockHasher, Chain, Check, HashKind, Key, TokenIds};
 use crate::error::{invalid, Error, Result};
 use crate::pool::Pool;
 use crate::stats::Stats;
@@ -190,18 +190,27 @@ impl Index {
     /// Hashes `tokens` into the request's chain and returns the chain keys.
     ///
     /// A request's tokens only grow until `forget`: a call for a known request checks that the prompt extends
-    /// what was hashed (it is at least as long, and its first and last hashed blocks are the same; the blocks in
-    /// between are not compared) and hashes only the new full blocks, reading only those tokens. A prompt that
-    /// does not extend the chain is `Error::PromptMismatch` (a request id reused without `forget`).
-    pub fn chain<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<&[Key]> {
+    /// what was hashed (`check`: every hashed token, or for a lookup that only answers the first and last hashed
+    /// blocks) and hashes only the new full blocks. A prompt that does not extend the chain is
+    /// `Error::PromptMismatch` (a request id reused without `forget`), counted in `prompt_mismatches`.
+    pub fn chain<T: TokenIds + ?Sized>(
+        &mut self,
+        request_id: &str,
+        namespace: &[u8],
+        tokens: &T,
+        check: Check,
+    ) -> Result<&[Key]> {
         let bs = self.cfg.block_size;
         let fresh = !self.requests.contains_key(request_id);
         if fresh {
             self.requests.insert(request_id.to_owned(), Request::default());
         }
         let req = self.requests.get_mut(request_id).expect("inserted above");
-        let outcome = match req.chain.mismatch(bs, namespace, tokens) {
-            Ok(Some(reason)) => Err(Error::PromptMismatch { request: request_id.to_owned(), reason }),
+        let outcome = match req.chain.mismatch(bs, namespace, tokens, check) {
+            Ok(Some(reason)) => {
+                self.stats.prompt_mismatches += 1;
+                Err(Error::PromptMismatch { request: request_id.to_owned(), reason })
+            }
             Ok(None) => req.chain.extend(&self.hasher, bs, namespace, tokens),
             Err(e) => Err(e),
         };
@@ -214,10 +223,10 @@ impl Index {
         Ok(self.requests[request_id].chain.keys())
     }
 
-    /// Tokens hashed so far for a request (0 for an unknown one): a caller reading tokens from a list reads the
-    /// first and last hashed blocks and what follows them, nothing else.
+    /// Tokens hashed so far for a request (0 for an unknown one): a caller reading tokens from a list for a check
+    /// of the ends reads the first and last hashed blocks and what follows them, nothing else.
     pub fn hashed_tokens(&self, request_id: &str) -> usize {
-        self.requests.get(request_id).map_or(0, |r| r.chain.hashed_tokens(self.cfg.block_size))
+        self.requests.get(request_id).map_or(0, |r| r.chain.hashed_tokens())
     }
 
     /// The chain keys of a request hashed so far.
@@ -229,9 +238,10 @@ impl Index {
         self.requests.get(request_id).ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
     }
 
-    /// What a resume of this prompt would restore now. Counts the request in the lookup statistics once.
+    /// What a resume of this prompt would restore now. Counts the request in the lookup statistics once. The
+    /// prompt is checked at its ends only (an answer serves nothing): `verify` it before a hit is loaded.
     pub fn lookup<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<Lookup> {
-        self.chain(request_id, namespace, tokens)?;
+        self.chain(request_id, namespace, tokens, Check::Ends)?;
         let req = self.requests.get_mut(request_id).expect("chained above");
         if !req.counted {
             req.counted = true;
@@ -239,6 +249,13 @@ impl Index {
             self.stats.lookup_tokens += tokens.len() as u64;
         }
         Ok(self.probe(self.requests[request_id].chain.keys(), tokens.len()))
+    }
+
+    /// Compares every token the request hashed with `tokens` (before a hit is loaded into the engine's blocks):
+    /// `Error::PromptMismatch` when the prompt does not extend them.
+    pub fn verify<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<()> {
+        self.request(request_id)?;
+        self.chain(request_id, namespace, tokens, Check::Full).map(drop)
     }
 
     /// What a lookup of this prompt would answer now, keeping nothing: no chain, no statistics.
@@ -327,7 +344,7 @@ impl Index {
         if seq_len < tokens.len() {
             return Err(invalid(format!("seq_len must be >= the {} prompt tokens, got {seq_len}", tokens.len())));
         }
-        let keys = self.chain(request_id, namespace, tokens)?.to_vec();
+        let keys = self.chain(request_id, namespace, tokens, Check::Full)?.to_vec();
         let bs = self.cfg.block_size;
         if keys.len() * bs < self.cfg.min_hit_tokens {
             let ticket =
@@ -690,10 +707,34 @@ mod tests {
         ix.lookup("a", b"", &ids(0..16)).unwrap();
         let err = ix.lookup("a", b"", &ids(50..70)).unwrap_err();
         assert!(matches!(err, Error::PromptMismatch { .. }), "{err}");
-        assert!(err.to_string().contains("\"a\"") && err.to_string().contains("first block"), "{err}");
+        assert!(
+            err.to_string().contains("\"a\"") && err.to_string().contains("token 0 (in its block at tokens 0..4)"),
+            "{err}"
+        );
         assert_eq!(ix.lookup("a", b"", &ids(0..20)).unwrap().limit_pages, 4, "a grown prompt is fine");
         assert!(ix.forget("a"));
         assert_eq!(ix.lookup("a", b"", &ids(50..70)).unwrap().limit_pages, 4);
+    }
+
+    /// A request id reused for a prompt that differs only inside the hashed run (not in its first or last block):
+    /// an answering lookup may not notice, but nothing is loaded or stored under the old keys.
+    #[test]
+    fn a_change_inside_the_hashed_run_is_never_served_or_stored() {
+        let mut ix = index(16, 0);
+        let p1 = ids(0..24);
+        stored(&mut ix, "innocent", &p1);
+        ix.lookup("r", b"", &p1).unwrap();
+        let mut p2 = p1.clone();
+        p2[9] += 100; // block 2 of 6
+        assert_eq!(ix.lookup("r", b"", &p2).unwrap().hit_tokens, 20, "only answers");
+        let err = ix.verify("r", b"", &p2).unwrap_err();
+        assert!(err.to_string().contains("token 9 (in its block at tokens 8..12)"), "{err}");
+        let used = ix.pages().used();
+        assert!(matches!(ix.plan_store("r", b"", &p2, 24), Err(Error::PromptMismatch { .. })));
+        assert_eq!((ix.pages().used(), ix.in_flight(), ix.stats().prompt_mismatches), (used, 0, 2));
+        ix.verify("r", b"", &p1).unwrap();
+        assert_eq!(ix.lookup("r", b"", &p1).unwrap().hit_tokens, 20, "the request is as it was");
+        ix.check().unwrap();
     }
 
     #[test]
@@ -855,6 +896,7 @@ mod fuzz {
                         prop_assert!(l.hit_tokens <= l.limit_pages * 4 && l.hit_tokens.is_multiple_of(4));
                         if l.hit_tokens > 0 {
                             if load {
+                                ix.verify(&rid, b"", &t).unwrap();
                                 let p = ix.begin_load(&rid, l.hit_tokens).unwrap();
                                 prop_assert_eq!(p.page_slots.len(), l.hit_tokens / 4);
                                 tickets.push(p.ticket);

@@ -21,6 +21,9 @@ pub struct Stats {
     pub states_loaded: u64,
     /// Failures the cache handled (a copy that could not be launched, an engine callback that raised).
     pub errors: u64,
+    /// Calls refused because the prompt does not extend what was hashed for the request id (an id reused without
+    /// `forget`).
+    pub prompt_mismatches: u64,
 }
 
 impl Stats {
@@ -84,6 +87,11 @@ pub const TABLE: &[StatInfo] = &[
     stat("states_evicted", Counter, "States evicted from the host pool"),
     stat("errors", Counter, "kvtier's own failures handled by the cache (these disable it at max_errors)"),
     stat("stale_lookups", Counter, "Hits whose pages left the host pool before the load began (served as misses)"),
+    stat(
+        "prompt_mismatches",
+        Counter,
+        "Calls refused: the prompt does not extend the tokens hashed for its request id (reused without forget)",
+    ),
     stat("bad_arguments", Counter, "Adapter calls refused for a bad argument (never towards max_errors)"),
     stat("bytes_to_host", Counter, "Bytes copied GPU to host"),
     stat("bytes_to_gpu", Counter, "Bytes copied host to GPU"),

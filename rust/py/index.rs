@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
-use crate::chain::{HashKind, TokenIds};
+use crate::chain::{Check, HashKind, TokenIds};
 use crate::error::invalid;
 use crate::index::{Config, Index};
 
@@ -178,14 +178,15 @@ impl PyIndex {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs `f` on the index and the prompt's ids with the GIL released. An array is read in place; of a list or
-    /// tuple only what the request's chain needs is read first: its first and last hashed blocks (to check that
-    /// the prompt still extends them) and the tokens after them.
+    /// Runs `f` on the index and the prompt's ids with the GIL released. An array is read in place. Of a list or
+    /// tuple every item is read for `Check::Full`; for `Check::Ends` only what the request's chain needs: its first
+    /// and last hashed blocks (to check that the prompt still extends them) and the tokens after them.
     fn with_prompt<R: Send>(
         &self,
         py: Python<'_>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
+        check: Check,
         f: impl FnOnce(&mut Index, &(dyn TokenIds + Sync)) -> crate::error::Result<R> + Send,
     ) -> PyResult<R> {
         match Prompt::of(token_ids)? {
@@ -196,7 +197,7 @@ impl PyIndex {
                     (ix.hashed_tokens(request_id), ix.config().block_size)
                 };
                 let n = seq.len()?;
-                let ranges = if hashed == 0 || hashed > n {
+                let ranges = if check == Check::Full || hashed == 0 || hashed > n {
                     [0..n, 0..0, 0..0]
                 } else {
                     [0..bs, hashed - bs..hashed, hashed..n]
@@ -261,8 +262,8 @@ impl PyIndex {
     }
 
     /// Hashes the prompt into the request's chain and returns its block keys. A request's tokens only grow until
-    /// `forget`: a known request's prompt must extend what was hashed (PromptMismatchError otherwise), and only
-    /// its new full blocks are read and hashed.
+    /// `forget`: a known request's prompt must extend every token hashed (PromptMismatchError otherwise), and only
+    /// its new full blocks are hashed.
     #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
     fn chain(
         &self,
@@ -272,7 +273,9 @@ impl PyIndex {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u128>> {
         let ns = namespace_bytes(namespace)?;
-        self.with_prompt(py, request_id, token_ids, |ix, t| ix.chain(request_id, &ns, t).map(<[u128]>::to_vec))
+        self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| {
+            ix.chain(request_id, &ns, t, Check::Full).map(<[u128]>::to_vec)
+        })
     }
 
     /// The block keys hashed so far for a request.
@@ -281,18 +284,24 @@ impl PyIndex {
     }
 
     /// What a resume of this prompt would restore now. A request is counted in the lookup statistics once,
-    /// however often it is retried. The prompt must extend what was hashed for the request (see `chain`); a call
-    /// for a request already hashed costs its new tokens and the pages walked, not the prompt.
-    #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
+    /// however often it is retried. The prompt must extend what was hashed for the request (see `chain`): its
+    /// first and last hashed blocks are compared, so that a call for a request already hashed costs its new tokens
+    /// and the pages walked, not the prompt; with `verify` (a hit is loaded next) a hit also compares every hashed
+    /// token.
+    #[pyo3(signature = (request_id, token_ids, *, namespace=None, verify=false))]
     fn lookup(
         &self,
         py: Python<'_>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
+        verify: bool,
     ) -> PyResult<PyLookup> {
         let ns = namespace_bytes(namespace)?;
-        let l = self.with_prompt(py, request_id, token_ids, |ix, t| ix.lookup(request_id, &ns, t))?;
+        let l = self.with_prompt(py, request_id, token_ids, Check::Ends, |ix, t| ix.lookup(request_id, &ns, t))?;
+        if verify && l.hit_tokens > 0 {
+            self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| ix.verify(request_id, &ns, t))?;
+        }
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
@@ -314,6 +323,20 @@ impl PyIndex {
         }
         .map_err(to_py)?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
+    }
+
+    /// Compares every token hashed for the request with the prompt (PromptMismatchError when it does not extend
+    /// them); `lookup(verify=True)` does this for a hit.
+    #[pyo3(signature = (request_id, token_ids, *, namespace=None))]
+    fn verify(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ns = namespace_bytes(namespace)?;
+        self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| ix.verify(request_id, &ns, t))
     }
 
     /// A hit could not be resumed now (no GPU blocks); nothing is touched.
@@ -350,7 +373,7 @@ impl PyIndex {
         let seq_len: Option<usize> = seq_len.map(|v| non_negative("seq_len", v)).transpose()?;
         let table = block_table.map(|b| int32s(b, "block_table")).transpose()?;
         let bt = table.as_ref().map(|t| t.as_slice());
-        let plan = self.with_prompt(py, request_id, token_ids, |ix, t| {
+        let plan = self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| {
             if let Some(bt) = bt {
                 let full = t.len() / ix.config().block_size;
                 if bt.len() < full {
@@ -435,6 +458,7 @@ impl PyIndex {
             ("states_loaded", s.states_loaded),
             ("states_evicted", ix.states().evicted()),
             ("errors", s.errors),
+            ("prompt_mismatches", s.prompt_mismatches),
             ("page_slots", u64::from(ix.pages().capacity())),
             ("page_slots_usable", u64::from(ix.pages().usable())),
             ("pages_used", ix.pages().used() as u64),

@@ -252,6 +252,9 @@ fn item(seq: &Bound<'_, PyAny>, is_list: bool, i: usize) -> PyResult<i32> {
         }
     }
     let obj = seq.get_item(i)?;
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!("token_ids[{i}] must be an int, got bool {obj:?}")));
+    }
     let v: i64 = obj.extract().map_err(|_| {
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         PyTypeError::new_err(format!("token_ids[{i}] must be an int, got {ty}"))
