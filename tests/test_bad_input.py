@@ -16,6 +16,8 @@ from kvtier.workload import Conversations
 
 WORK = Conversations(conversations=2, turns=2, system_tokens=48, user_tokens=20, answer_tokens=3, seed=5)
 NOOP = "no-op"
+# The state handle of calls whose arguments are refused (or that store nothing) before any state is selected.
+SEQ = object()
 
 
 def engine() -> Engine:
@@ -74,19 +76,36 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         ),
         ("fingerprint bad field", lambda: kvtier.fingerprint({"a=b": "1"}), ValueError, "a=b"),
         # HostPrefixCache
-        ("cache float prompt", lambda: c.store("r", np.ones(40), ok_table), TypeError, "float64"),
-        ("cache 2-D prompt", lambda: c.store("r", np.ones((2, 40), np.int32), ok_table), ValueError, "1-D"),
-        ("cache negative prompt id", lambda: c.resume("r", [5, -1] * 20, allocate=allocate), ValueError, "-1"),
-        ("cache int64 overflow", lambda: c.store("r", np.array([2**40], np.int64), ok_table), ValueError, str(2**40)),
-        ("cache bad table", lambda: c.store("r", ok_prompt, [[1, 2]]), TypeError, "block_table"),
+        ("cache float prompt", lambda: c.store("r", np.ones(40), ok_table, state=SEQ), TypeError, "float64"),
+        ("cache 2-D prompt", lambda: c.store("r", np.ones((2, 40), np.int32), ok_table, state=SEQ), ValueError, "1-D"),
+        (
+            "cache negative prompt id",
+            lambda: c.resume("r", [5, -1] * 20, allocate=allocate, state=SEQ),
+            ValueError,
+            "-1",
+        ),
+        (
+            "cache int64 overflow",
+            lambda: c.store("r", np.array([2**40], np.int64), ok_table, state=SEQ),
+            ValueError,
+            str(2**40),
+        ),
+        ("cache bad table", lambda: c.store("r", ok_prompt, [[1, 2]], state=SEQ), TypeError, "block_table"),
         ("cache wait_layer negative", lambda: c.wait_layer(-1), ValueError, "got -1"),
         ("cache wait_layer bool", lambda: c.wait_layer(True), ValueError, "got True"),
         ("cache wait_layer float", lambda: c.wait_layer(1.5), ValueError, "got 1.5"),
-        ("cache empty prompt", lambda: c.store("r", [], []), NOOP, ""),
-        ("cache prompt under a block", lambda: c.store("r", [1, 2, 3], []), NOOP, ""),
-        ("cache empty resume", lambda: c.resume("r", [], allocate=allocate), NOOP, ""),
+        ("cache no state handle", lambda: c.store("r", ok_prompt, ok_table), TypeError, "state="),
+        ("cache no state to resume", lambda: c.resume("r", ok_prompt, allocate=allocate), TypeError, "state="),
+        ("cache empty prompt", lambda: c.store("r", [], [], state=SEQ), NOOP, ""),
+        ("cache prompt under a block", lambda: c.store("r", [1, 2, 3], [], state=SEQ), NOOP, ""),
+        ("cache empty resume", lambda: c.resume("r", [], allocate=allocate, state=SEQ), NOOP, ""),
         ("cache huge prompt", lambda: c.lookup("huge", np.arange(1 << 20, dtype=np.int32)), NOOP, ""),
-        ("cache GPU block out of range", lambda: c.store("oob", ok_prompt, [0, 1, 2, 10**6]), ValueError, "1000000"),
+        (
+            "cache GPU block out of range",
+            lambda: c.store("oob", ok_prompt, [0, 1, 2, 10**6], state=SEQ),
+            ValueError,
+            "1000000",
+        ),
         (
             "cache CUDA tensor on CPU cache",
             lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=-5),
@@ -384,8 +403,8 @@ def test_calls_after_close_are_no_ops():
     )
     c.close()
     c.close()
-    assert c.resume("r", list(range(64)), allocate=lambda: [0, 1, 2, 3]) == 0
-    c.store("r", list(range(64)), [0, 1, 2, 3])
+    assert c.resume("r", list(range(64)), allocate=lambda: [0, 1, 2, 3], state=SEQ) == 0
+    c.store("r", list(range(64)), [0, 1, 2, 3], state=SEQ)
     c.poll()
     assert c.lookup("r", list(range(64))) == 0
     assert c.stats()["pages_stored"] == 0

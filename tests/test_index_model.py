@@ -100,7 +100,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(rid=request_ids, prompt=prompts, load=st.booleans())
     def lookup(self, rid, prompt, load):
         prompt = self._grown(rid, prompt)
-        got = self.rust.lookup(rid, prompt.tolist() if load else prompt)
+        got = self.rust.lookup(rid, prompt.tolist() if load else prompt, verify=load)
         assert (got.hit_tokens, got.ready_pages, got.limit_pages) == self.model.lookup(rid, prompt.tolist())
         if got.hit_tokens == 0:
             return
@@ -144,14 +144,10 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(rid=request_ids, prompt=prompts)
     def reuse(self, rid, prompt):
-        """A known id with an unrelated prompt: refused when it does not extend the first and last hashed blocks."""
+        """A known id with an unrelated prompt: refused unless it extends every token hashed."""
         old = self.prompts.get(rid)
         hashed = 0 if old is None else len(old) // BLOCK * BLOCK
-        refused = hashed > 0 and (
-            len(prompt) < hashed
-            or not np.array_equal(prompt[:BLOCK], old[:BLOCK])
-            or not np.array_equal(prompt[hashed - BLOCK : hashed], old[hashed - BLOCK : hashed])
-        )
+        refused = hashed > 0 and (len(prompt) < hashed or not np.array_equal(prompt[:hashed], old[:hashed]))
         if refused:
             keys = self.rust.keys(rid)
             with pytest.raises(kvtier.PromptMismatchError):
@@ -231,7 +227,7 @@ def test_chain_extension_equals_a_fresh_chain(tokens, kind):
     assert ix.chain("grow", arr) == fresh
     other = arr.copy()
     other[1] ^= 1
-    with pytest.raises(kvtier.PromptMismatchError, match="first block"):
+    with pytest.raises(kvtier.PromptMismatchError, match=r"token 1 \(in its block at tokens 0\.\.4\)"):
         ix.chain("grow", other)
     assert ix.forget("grow")
     changed = ix.chain("grow", other)
@@ -385,15 +381,51 @@ def test_bad_token_ids_are_named(ids, error, match):
     assert not ix.forget("r"), "a refused call leaves no request behind"
 
 
-def test_a_known_request_reads_only_its_new_tokens():
-    """Tokens already hashed are not read again: a bad id planted among them goes unseen, one after them is named."""
-    ix = kvtier.Index(kvtier.IndexConfig(64, block_size=4))
+def test_an_answering_lookup_reads_only_the_ends_and_the_new_tokens():
+    """A lookup that only answers does not read the hashed tokens between the first and last hashed blocks: a bad
+    id planted among them goes unseen there, one after them is named; a verified lookup, a chain or a store reads
+    and compares every token."""
+    ix = kvtier.Index(kvtier.IndexConfig(64, block_size=4, min_hit_tokens=0))
     ids = list(range(100))
-    ix.chain("r", ids)
+    ix.complete(ix.plan_store("r", ids).ticket)
     ids[50] = -7  # inside the hashed prompt, not in its first or last block
-    assert len(ix.chain("r", ids + [1, 2, 3, 4])) == 26
+    assert ix.lookup("r", ids + [1, 2, 3, 4]).limit_pages == 25
     with pytest.raises(ValueError, match=r"token_ids\[105\] = -1"):
-        ix.chain("r", ids + [1, 2, 3, 4, 5, -1, 7, 8])
+        ix.lookup("r", ids + [1, 2, 3, 4, 5, -1, 7, 8])
+    for call in (
+        lambda: ix.lookup("r", ids + [1, 2, 3, 4], verify=True),
+        lambda: ix.verify("r", ids),
+        lambda: ix.chain("r", ids),
+        lambda: ix.plan_store("r", ids),
+    ):
+        with pytest.raises(ValueError, match=r"token_ids\[50\] = -7"):
+            call()
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_every_token_is_compared_before_a_hit_is_served_or_a_prompt_stored(as_array):
+    """A request id reused for a prompt that differs only inside the hashed run: the answer may be stale, but a
+    verified lookup (what resume does before it loads), a store and a chain refuse it; nothing changes."""
+    ix = kvtier.Index(kvtier.IndexConfig(64, block_size=4, min_hit_tokens=0))
+    p1 = np.arange(24, dtype=np.int32)
+    ix.complete(ix.plan_store("innocent", p1).ticket)
+    ix.lookup("r", p1 if as_array else p1.tolist())
+    p2 = p1.copy()
+    p2[9] += 1000  # block 2 of 6: neither the first nor the last hashed block
+    p2 = p2 if as_array else p2.tolist()
+    assert ix.lookup("r", p2).hit_tokens == 20, "an answer only"
+    before = (ix.stats()["pages_used"], ix.stats()["in_flight"])
+    for call in (
+        lambda: ix.lookup("r", p2, verify=True),
+        lambda: ix.plan_store("r", p2),
+        lambda: ix.chain("r", p2),
+        lambda: ix.verify("r", p2),
+    ):
+        with pytest.raises(kvtier.PromptMismatchError, match=r"token 9 \(in its block at tokens 8\.\.12\)"):
+            call()
+    assert (ix.stats()["pages_used"], ix.stats()["in_flight"]) == before
+    assert ix.stats()["prompt_mismatches"] == 4
+    assert ix.lookup("innocent", p1, verify=True).hit_tokens == 20, "the innocent prefix is untouched"
 
 
 def test_a_reused_request_id_is_refused_until_forgotten():
@@ -401,8 +433,8 @@ def test_a_reused_request_id_is_refused_until_forgotten():
     ix.lookup("r", list(range(40)))
     for other, why in [
         (list(range(36)), "fewer than the 40"),
-        (list(range(1, 41)), "first block"),
-        (list(range(36)) + [0, 0, 0, 0], "tokens 36..40"),
+        (list(range(1, 41)), r"token 0 \(in its block at tokens 0\.\.4\)"),
+        (list(range(36)) + [0, 0, 0, 0], r"token 36 \(in its block at tokens 36\.\.40\)"),
     ]:
         with pytest.raises(kvtier.PromptMismatchError, match=why) as e:
             ix.lookup("r", other)

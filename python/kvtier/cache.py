@@ -84,6 +84,8 @@ def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table
     if isinstance(table, torch.Tensor):
         if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
             raise TypeError(f"{what} must hold integers, got a tensor of {table.dtype}")
+        if table.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"{what} must be a CPU or CUDA tensor, got a tensor on {table.device}")
         table = table.detach().cpu().numpy()
     if isinstance(table, np.ndarray):
         if table.dtype.kind not in "iu":
@@ -350,6 +352,7 @@ class HostPrefixCache:
         ``block_table=`` (a callable, with ``allocate()`` returning a bool) is the old form: deprecated.
         """
         _check_call(request_id, namespace)
+        self._check_state(state)
         if not callable(allocate):
             raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
         if block_table is not None:
@@ -366,7 +369,8 @@ class HostPrefixCache:
         # L3: a request whose fetch runs retries later; a host miss starts the request's one fetch (no GPU blocks).
         if self._l3 is not None and self._l3.waiting(request_id):
             return -1
-        look = self.index.lookup(request_id, tokens, namespace=namespace)
+        # verify: a hit compares every token hashed for the request before anything is allocated or loaded.
+        look = self.index.lookup(request_id, tokens, namespace=namespace, verify=True)
         if self._l3 is not None and self._l3.start_fetch(request_id, look.ready_pages, look.limit_pages):
             return -1
         hit = look.hit_tokens
@@ -420,8 +424,15 @@ class HostPrefixCache:
         enqueued so far) and ``store`` returns at once; ``poll()`` makes them hits once they finished. Call
         ``release(blocks)`` or ``forget(request_id)`` before the engine rewrites these blocks."""
         _check_call(request_id, namespace)
+        self._check_state(state)
         table = block_ids(block_table, len(prompt_ids) // self.block_size, self._copy_pages.num_blocks)
         self._store(request_id, prompt_ids, table, _seq_len(seq_len), state, namespace)
+
+    def _check_state(self, state: Any) -> None:
+        if state is None and self._host_states is not None:
+            raise TypeError(
+                "state= must be the engine's handle of the sequence's state (this model has state), got None"
+            )
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]

@@ -77,6 +77,28 @@ def layer_views(pool: torch.Tensor, page_layers: int) -> list[torch.Tensor]:
     return list(pool.view(num_blocks, page_layers, page_bytes // page_layers).unbind(1))
 
 
+def unwritable(start: int, end: int) -> int | None:
+    """The first address of ``[start, end)`` that no writable mapping of this process covers, None when every byte
+    is writable (or when the mappings cannot be read: only Linux's /proc/self/maps is consulted)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pos = start
+    for line in lines:  # in address order
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if hi <= pos:
+            continue
+        if lo > pos or perms[1] != "w":
+            return pos
+        pos = hi
+        if pos >= end:
+            return None
+    return pos
+
+
 def _ids(ids: Any, what: str) -> Any:
     """Ids as the core takes them: numpy int32 arrays and int sequences as they are, CPU torch tensors as numpy."""
     if type(ids).__module__.startswith("torch"):
@@ -142,9 +164,22 @@ class PageCopier:
             None if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
         )
         num_blocks, segment_bytes = tensors[0].shape
+        # The bytes of each layer tensor the copies reach, from its data pointer: the last block's row ends there.
+        spans = [(t.data_ptr(), (num_blocks - 1) * t.stride(0) + segment_bytes) for t in tensors]
+        if dev.type == "cpu":
+            for i, (ptr, n) in enumerate(spans):
+                at = unwritable(ptr, ptr + n)
+                if at is not None:
+                    raise ValueError(
+                        f"gpu_pool[{i}] is not writable memory at {at:#x} (its {n} bytes from {ptr:#x}): a load "
+                        "would write into it"
+                    )
         # SAFETY (for the ints passed below): self._tensors and self._host keep the memory alive for the life of
-        # this object; the core copier itself only holds raw addresses and the host pool.
+        # this object, and `check_memory` refuses a copy once a tensor no longer points at that memory (its
+        # storage freed, resized or swapped); the core copier itself only holds raw addresses and the host pool.
         self._tensors = tensors
+        self._storages = [t.untyped_storage() for t in tensors]
+        self._memory = [(ptr, s.data_ptr(), s.nbytes()) for (ptr, _), s in zip(spans, self._storages, strict=True)]
         self._host = host
         self._core = _CorePageCopier(
             [t.data_ptr() for t in tensors],
@@ -212,15 +247,30 @@ class PageCopier:
             return stream
         return int(stream.cuda_stream)
 
+    def check_memory(self) -> None:
+        """Raises ``ValueError`` when a pool tensor no longer points at the memory the copier was built over (the
+        engine freed or resized its storage, or gave the tensor another one): checked before every copy."""
+        for i, (t, storage, (ptr, base, nbytes)) in enumerate(
+            zip(self._tensors, self._storages, self._memory, strict=True)
+        ):
+            if t.data_ptr() != ptr or storage.data_ptr() != base or storage.nbytes() != nbytes:
+                raise ValueError(
+                    f"gpu_pool[{i}] changed after the copier was built: data pointer {t.data_ptr():#x} (was {ptr:#x}), "
+                    f"storage of {storage.nbytes()} bytes at {storage.data_ptr():#x} (was {nbytes} at {base:#x}); "
+                    "the engine must not free, resize or replace its KV pool while a cache uses it"
+                )
+
     def to_host(self, gpu_ids: Any, host_slots: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
         """Copy GPU blocks ``gpu_ids[i]`` into host slots ``host_slots[i]`` (int32 ids); ``layers=(a, b)``: only
         the segments of layers a..b-1. Returns what carried it: "kernel", "dma" or "memcpy"."""
+        self.check_memory()
         return self._core.to_host(
             _ids(gpu_ids, "gpu_ids"), _ids(host_slots, "host_slots"), self.stream_handle(stream), layers
         )
 
     def to_gpu(self, host_slots: Any, gpu_ids: Any, stream: Any = None, layers: tuple[int, int] | None = None) -> str:
         """Copy host slots ``host_slots[i]`` into GPU blocks ``gpu_ids[i]`` (int32 ids); see ``to_host``."""
+        self.check_memory()
         return self._core.to_gpu(
             _ids(host_slots, "host_slots"), _ids(gpu_ids, "gpu_ids"), self.stream_handle(stream), layers
         )

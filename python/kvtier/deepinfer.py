@@ -105,6 +105,20 @@ def engine_shard(engine: Any) -> Any:
     return Shard(**dims, kv_replicated=bool(getattr(engine, "kv_replicated", False)))
 
 
+def _read(seq: Any, get: Any, what: str) -> Any:
+    """``get()`` of an engine sequence's field; whatever goes wrong is the engine's argument, a TypeError."""
+    try:
+        return get()
+    except Exception as e:  # noqa: BLE001 - any failure to read the engine's sequence is a bad argument
+        raise TypeError(f"the sequence ({type(seq).__name__}) has no usable {what}: {type(e).__name__}: {e}") from e
+
+
+def _sequences(seqs: Any, what: str) -> list[Any]:
+    if seqs is None or isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        raise TypeError(f"{what} must be a list of the engine's sequences, got {type(seqs).__name__}")
+    return list(seqs)
+
+
 class Cache:
     """DeepInfer's host prefix cache surface over ``HostPrefixCache``."""
 
@@ -146,33 +160,51 @@ class Cache:
         """Cached tokens b (the sequence's blocks and state were filled, ``seq.num_cached_tokens`` set), 0 for
         a miss, -1 when GPU blocks cannot be allocated right now (retry later)."""
         try:
-            self._prompts[request_id] = prompt_ids
-            hit = self.cache.resume(
-                request_id,
-                prompt_ids,
-                allocate=lambda: seq.block_table if self.engine.scheduler.try_allocate_seq(seq) else None,
-                state=seq,
-            )
+            hit = self.cache.resume(request_id, prompt_ids, allocate=lambda: self._allocate(seq), state=seq)
             if hit > 0:
                 seq.num_cached_tokens = seq.cached_hit_tokens = hit
+            self._prompts[request_id] = prompt_ids
             return hit
         except Exception as e:  # noqa: BLE001 - no cache problem reaches the engine
             self.cache.report_error("try_resume", e)
             return 0
 
+    def _allocate(self, seq: Any) -> Any:
+        if not self.engine.scheduler.try_allocate_seq(seq):
+            return None
+        return _read(seq, lambda: seq.block_table, "block_table")
+
     def on_prefill_step(self, scheduled: Any, finished: Any) -> None:
-        """Stores every scheduled sequence whose last prompt chunk ran this step."""
-        for seq in scheduled:
-            if seq.chunked_rest_len != 0:
-                continue
+        """Stores every scheduled sequence whose last prompt chunk ran this step. ``finished`` (the sequences
+        that finished this step) is only checked: their blocks are ordered by ``release`` and ``forget``."""
+        for what, seqs in (("finished", finished), ("scheduled", scheduled)):
             try:
-                prompt = self._prompts.get(seq.request_id)
-                if prompt is None:  # never went through try_resume: hash its own ids
-                    ids = seq.data.get_token_ids()
-                    prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
-                self.cache.store(seq.request_id, prompt, seq.block_table, seq_len=seq.get_len(), state=seq)
+                seqs = _sequences(seqs, what)
+            except TypeError as e:
+                self.cache.report_error("on_prefill_step", e)
+                seqs = []
+        for seq in seqs:
+            try:
+                if _read(seq, lambda: seq.chunked_rest_len, "chunked_rest_len") != 0:
+                    continue
+                request_id, prompt, table, seq_len = self._stored(seq)
+                self.cache.store(request_id, prompt, table, seq_len=seq_len, state=seq)
             except Exception as e:  # noqa: BLE001
                 self.cache.report_error("on_prefill_step", e)
+
+    def _stored(self, seq: Any) -> tuple[Any, Any, Any, Any]:
+        """What a store of ``seq`` needs, read from the engine's sequence (a missing attribute is a TypeError)."""
+        request_id = _read(seq, lambda: seq.request_id, "request_id")
+        prompt = self._prompts.get(request_id) if isinstance(request_id, str) else None
+        if prompt is None:  # never went through try_resume: hash its own ids
+            ids = _read(seq, lambda: seq.data.get_token_ids(), "data.get_token_ids()")
+            prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
+        return (
+            request_id,
+            prompt,
+            _read(seq, lambda: seq.block_table, "block_table"),
+            _read(seq, seq.get_len, "get_len()"),
+        )
 
     def poll(self) -> None:
         self.cache.poll()
@@ -189,7 +221,8 @@ class Cache:
             self._sync()  # a stored page must not read a block the engine rewrites
 
     def forget(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
+        if isinstance(request_id, str):
+            self._prompts.pop(request_id, None)
         self._shielded("forget", self.cache.forget, request_id)
 
     def _shielded(self, where: str, fn: Any, *args: Any) -> bool:
