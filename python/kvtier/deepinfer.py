@@ -105,12 +105,18 @@ def engine_shard(engine: Any) -> Any:
     return Shard(**dims, kv_replicated=bool(getattr(engine, "kv_replicated", False)))
 
 
-def _read(seq: Any, get: Any, what: str) -> Any:
-    """``get()`` of an engine sequence's field; whatever goes wrong is the engine's argument, a TypeError."""
+def _field(seq: Any, path: str) -> Any:
+    """``seq.<path>`` of an engine sequence (``"get_len()"`` calls it); whatever goes wrong reading it is the
+    engine's argument: a TypeError."""
     try:
-        return get()
+        value = seq
+        for part in path.split("."):
+            value = getattr(value, part.removesuffix("()"))
+            if part.endswith("()"):
+                value = value()
+        return value
     except Exception as e:  # noqa: BLE001 - any failure to read the engine's sequence is a bad argument
-        raise TypeError(f"the sequence ({type(seq).__name__}) has no usable {what}: {type(e).__name__}: {e}") from e
+        raise TypeError(f"the sequence ({type(seq).__name__}) has no usable {path}: {type(e).__name__}: {e}") from e
 
 
 def _sequences(seqs: Any, what: str) -> list[Any]:
@@ -172,39 +178,33 @@ class Cache:
     def _allocate(self, seq: Any) -> Any:
         if not self.engine.scheduler.try_allocate_seq(seq):
             return None
-        return _read(seq, lambda: seq.block_table, "block_table")
+        return _field(seq, "block_table")
 
     def on_prefill_step(self, scheduled: Any, finished: Any) -> None:
         """Stores every scheduled sequence whose last prompt chunk ran this step. ``finished`` (the sequences
         that finished this step) is only checked: their blocks are ordered by ``release`` and ``forget``."""
-        for what, seqs in (("finished", finished), ("scheduled", scheduled)):
-            try:
-                seqs = _sequences(seqs, what)
-            except TypeError as e:
-                self.cache.report_error("on_prefill_step", e)
-                seqs = []
+        try:
+            _sequences(finished, "finished")
+        except TypeError as e:
+            self.cache.report_error("on_prefill_step", e)
+        try:
+            seqs = _sequences(scheduled, "scheduled")
+        except TypeError as e:
+            self.cache.report_error("on_prefill_step", e)
+            return
         for seq in seqs:
             try:
-                if _read(seq, lambda: seq.chunked_rest_len, "chunked_rest_len") != 0:
+                if _field(seq, "chunked_rest_len") != 0:
                     continue
-                request_id, prompt, table, seq_len = self._stored(seq)
+                request_id = _field(seq, "request_id")
+                prompt = self._prompts.get(request_id) if isinstance(request_id, str) else None
+                if prompt is None:  # never went through try_resume: hash its own ids
+                    ids = _field(seq, "data.get_token_ids()")
+                    prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
+                table, seq_len = _field(seq, "block_table"), _field(seq, "get_len()")
                 self.cache.store(request_id, prompt, table, seq_len=seq_len, state=seq)
             except Exception as e:  # noqa: BLE001
                 self.cache.report_error("on_prefill_step", e)
-
-    def _stored(self, seq: Any) -> tuple[Any, Any, Any, Any]:
-        """What a store of ``seq`` needs, read from the engine's sequence (a missing attribute is a TypeError)."""
-        request_id = _read(seq, lambda: seq.request_id, "request_id")
-        prompt = self._prompts.get(request_id) if isinstance(request_id, str) else None
-        if prompt is None:  # never went through try_resume: hash its own ids
-            ids = _read(seq, lambda: seq.data.get_token_ids(), "data.get_token_ids()")
-            prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
-        return (
-            request_id,
-            prompt,
-            _read(seq, lambda: seq.block_table, "block_table"),
-            _read(seq, seq.get_len, "get_len()"),
-        )
 
     def poll(self) -> None:
         self.cache.poll()
