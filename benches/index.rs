@@ -45,7 +45,7 @@ fn chain_extend(c: &mut Criterion) {
         g.bench_function(kind.name(), |b| {
             b.iter(|| {
                 let mut chain = Chain::default();
-                chain.extend(&h, BLOCK, b"", black_box(&t)).unwrap();
+                chain.extend(&h, BLOCK, b"", 0, black_box(&t)).unwrap();
                 chain
             })
         });

@@ -92,17 +92,30 @@ impl BlockHasher {
         d.to_hex()[..16].to_string()
     }
 
-    /// `key_{-1}` for a namespace: 0 when empty.
-    pub fn root(&self, namespace: &[u8]) -> Key {
-        if namespace.is_empty() {
+    /// `key_{-1}` for a namespace under a model version: 0 when both are empty. The version (what
+    /// `Index::set_model_version` names) is length-prefixed, so no (version, namespace) pair is another's.
+    pub fn root(&self, version: &[u8], namespace: &[u8]) -> Key {
+        if version.is_empty() && namespace.is_empty() {
             return 0;
         }
+        let owned;
+        let input = if version.is_empty() {
+            namespace // the root of a namespace without a version, as before versions existed
+        } else {
+            let mut m = Vec::with_capacity(9 + version.len() + namespace.len());
+            m.push(b'v');
+            m.extend_from_slice(&(version.len() as u64).to_le_bytes());
+            m.extend_from_slice(version);
+            m.extend_from_slice(namespace);
+            owned = m;
+            &owned
+        };
         match self.kind {
             HashKind::Blake3 => {
-                let d = blake3::keyed_hash(&self.namespace_key, namespace);
+                let d = blake3::keyed_hash(&self.namespace_key, input);
                 u128::from_le_bytes(d.as_bytes()[..16].try_into().expect("16 bytes"))
             }
-            HashKind::Xxh3 => xxhash_rust::xxh3::xxh3_128_with_seed(namespace, self.seed(2)),
+            HashKind::Xxh3 => xxhash_rust::xxh3::xxh3_128_with_seed(input, self.seed(2)),
         }
     }
 
@@ -361,12 +374,14 @@ impl Chain {
     }
 
     /// Extends the chain over the full blocks of `tokens` past those hashed; the caller has checked `mismatch`.
-    /// Reads (and range-checks) only the tokens past those hashed. Returns the number of blocks hashed.
+    /// Reads (and range-checks) only the tokens past those hashed. `root` is `key_{-1}` (`BlockHasher::root` of
+    /// the namespace), used when the chain is empty. Returns the number of blocks hashed.
     pub fn extend<T: TokenIds + ?Sized>(
         &mut self,
         hasher: &BlockHasher,
         block_size: usize,
         namespace: &[u8],
+        root: Key,
         tokens: &T,
     ) -> Result<usize> {
         let (from, to) = (self.keys.len(), tokens.len() / block_size);
@@ -395,7 +410,7 @@ impl Chain {
         if from == 0 {
             self.namespace = namespace.to_vec();
         }
-        let prev = self.keys.last().copied().unwrap_or_else(|| hasher.root(namespace));
+        let prev = self.keys.last().copied().unwrap_or(root);
         hasher.extend(prev, new, block_size, &mut self.keys);
         self.tokens.extend_from_slice(new);
         Ok(to - from)
@@ -599,7 +614,7 @@ mod tests {
 
     fn chain_of(h: &BlockHasher, bs: usize, ns: &[u8], t: &[i32]) -> Vec<Key> {
         let mut c = Chain::default();
-        c.extend(h, bs, ns, t).unwrap();
+        c.extend(h, bs, ns, h.root(b"", ns), t).unwrap();
         c.keys().to_vec()
     }
 
@@ -649,10 +664,10 @@ mod tests {
             let h = BlockHasher::new(kind, b"k");
             let t = toks(100, 3);
             let mut c = Chain::default();
-            assert_eq!(c.extend(&h, 16, b"", &t[..40]).unwrap(), 2);
+            assert_eq!(c.extend(&h, 16, b"", h.root(b"", b""), &t[..40]).unwrap(), 2);
             assert_eq!(c.mismatch(16, b"", &t[..], Check::Full).unwrap(), None);
-            assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 4);
-            assert_eq!(c.extend(&h, 16, b"", &t[..]).unwrap(), 0);
+            assert_eq!(c.extend(&h, 16, b"", h.root(b"", b""), &t[..]).unwrap(), 4);
+            assert_eq!(c.extend(&h, 16, b"", h.root(b"", b""), &t[..]).unwrap(), 0);
             assert_eq!(c.keys(), chain_of(&h, 16, b"", &t));
         }
     }
@@ -662,7 +677,7 @@ mod tests {
         let h = BlockHasher::new(HashKind::Blake3, b"");
         let t = toks(64, 3);
         let mut c = Chain::default();
-        c.extend(&h, 16, b"", &t[..]).unwrap();
+        c.extend(&h, 16, b"", h.root(b"", b""), &t[..]).unwrap();
         let why = |ns: &[u8], p: &[i32], check| c.mismatch(16, ns, p, check).unwrap().unwrap_or_default();
         for check in [Check::Full, Check::Ends] {
             assert!(why(b"", &t[..50], check).contains("50 tokens, fewer than the 64"));
@@ -702,17 +717,17 @@ mod tests {
         let want = chain_of(&h, 16, b"", &t);
         let wide: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
         let mut c = Chain::default();
-        c.extend(&h, 16, b"", &wide).unwrap();
+        c.extend(&h, 16, b"", h.root(b"", b""), &wide).unwrap();
         assert_eq!(c.keys(), want);
-        let err = Chain::default().extend(&h, 16, b"", &[1, 2, -5][..]).unwrap_err();
+        let err = Chain::default().extend(&h, 16, b"", 0, &[1, 2, -5][..]).unwrap_err();
         assert!(err.to_string().contains("token_ids[2] = -5"), "the partial block is checked too: {err}");
         let mut bad = wide.clone();
         bad[20] = 1 << 31;
-        let err = Chain::default().extend(&h, 16, b"", &bad).unwrap_err();
+        let err = Chain::default().extend(&h, 16, b"", 0, &bad).unwrap_err();
         assert!(err.to_string().contains("token_ids[20] = 2147483648"), "{err}");
         let mut neg = t.clone();
         neg[33] = -1;
-        let err = Chain::default().extend(&h, 16, b"", &neg).unwrap_err();
+        let err = Chain::default().extend(&h, 16, b"", 0, &neg).unwrap_err();
         assert!(err.to_string().contains("token_ids[33] = -1"), "{err}");
     }
 }

@@ -118,6 +118,8 @@ struct Ticket {
     kind: TicketKind,
     pages: Vec<(u32, bool)>,
     states: Vec<(u32, bool)>,
+    /// The model version the ticket was issued under (see `Index::set_model_version`).
+    epoch: u64,
 }
 
 #[derive(Debug, Default)]
@@ -125,6 +127,8 @@ struct Request {
     chain: Chain,
     /// The lookup statistics already count this request.
     counted: bool,
+    /// The model version the request was first seen under.
+    epoch: u64,
 }
 
 #[derive(Debug)]
@@ -137,6 +141,9 @@ pub struct Index {
     tickets: HashMap<u64, Ticket>,
     next_ticket: u64,
     stats: Stats,
+    /// The model version every key is derived under (empty: none named), and how many times it changed.
+    model_version: Vec<u8>,
+    epoch: u64,
 }
 
 impl Index {
@@ -151,8 +158,31 @@ impl Index {
             tickets: HashMap::new(),
             next_ticket: 1,
             stats: Stats::default(),
+            model_version: Vec::new(),
+            epoch: 0,
             cfg,
         })
+    }
+
+    /// The model's version: every key is derived under it (a checkpoint revision the deployment vouches for,
+    /// changed when weights are updated in place). A new version retires the old one's entries: evictable ones are
+    /// dropped now, entries in use when their copies finish, and copies still in flight never make an entry ready.
+    /// Requests seen before the change are served and stored nothing until forgotten (their prefill may have run
+    /// under the old weights). Returns whether the version changed.
+    pub fn set_model_version(&mut self, version: &[u8]) -> bool {
+        if version == self.model_version.as_slice() {
+            return false;
+        }
+        self.model_version = version.to_vec();
+        self.epoch += 1;
+        self.pages.retire_all();
+        self.states.retire_all();
+        self.stats.model_versions += 1;
+        true
+    }
+
+    pub fn model_version(&self) -> &[u8] {
+        &self.model_version
     }
 
     pub fn config(&self) -> &Config {
@@ -203,15 +233,16 @@ impl Index {
         let bs = self.cfg.block_size;
         let fresh = !self.requests.contains_key(request_id);
         if fresh {
-            self.requests.insert(request_id.to_owned(), Request::default());
+            self.requests.insert(request_id.to_owned(), Request { epoch: self.epoch, ..Request::default() });
         }
+        let root = self.hasher.root(&self.model_version, namespace);
         let req = self.requests.get_mut(request_id).expect("inserted above");
         let outcome = match req.chain.mismatch(bs, namespace, tokens, check) {
             Ok(Some(reason)) => {
                 self.stats.prompt_mismatches += 1;
                 Err(Error::PromptMismatch { request: request_id.to_owned(), reason })
             }
-            Ok(None) => req.chain.extend(&self.hasher, bs, namespace, tokens),
+            Ok(None) => req.chain.extend(&self.hasher, bs, namespace, root, tokens),
             Err(e) => Err(e),
         };
         if let Err(e) = outcome {
@@ -238,6 +269,11 @@ impl Index {
         self.requests.get(request_id).ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
     }
 
+    /// Whether a known request was first seen under an earlier model version.
+    fn stale_version(&self, request_id: &str) -> bool {
+        self.requests.get(request_id).is_some_and(|r| r.epoch != self.epoch)
+    }
+
     /// What a resume of this prompt would restore now. Counts the request in the lookup statistics once. The
     /// prompt is checked at its ends only (an answer serves nothing): `verify` it before a hit is loaded.
     pub fn lookup<T: TokenIds + ?Sized>(&mut self, request_id: &str, namespace: &[u8], tokens: &T) -> Result<Lookup> {
@@ -247,6 +283,10 @@ impl Index {
             req.counted = true;
             self.stats.lookups += 1;
             self.stats.lookup_tokens += tokens.len() as u64;
+        }
+        if self.stale_version(request_id) {
+            self.stats.stale_version_calls += 1;
+            return Ok(Lookup::default());
         }
         Ok(self.probe(self.requests[request_id].chain.keys(), tokens.len()))
     }
@@ -261,7 +301,8 @@ impl Index {
     /// What a lookup of this prompt would answer now, keeping nothing: no chain, no statistics.
     pub fn peek<T: TokenIds + ?Sized>(&self, namespace: &[u8], tokens: &T) -> Result<Lookup> {
         let mut chain = Chain::default();
-        chain.extend(&self.hasher, self.cfg.block_size, namespace, tokens)?;
+        let root = self.hasher.root(&self.model_version, namespace);
+        chain.extend(&self.hasher, self.cfg.block_size, namespace, root, tokens)?;
         Ok(self.probe(chain.keys(), tokens.len()))
     }
 
@@ -302,6 +343,9 @@ impl Index {
         }
         let n = hit_tokens / bs;
         let stale = || Error::Stale(request_id.to_owned());
+        if self.stale_version(request_id) {
+            return Err(stale());
+        }
         let page_slots: Vec<u32> =
             keys[..n].iter().map(|&k| self.pages.ready_slot(k)).collect::<Option<_>>().ok_or_else(stale)?;
         let state_slot =
@@ -318,6 +362,7 @@ impl Index {
             kind: TicketKind::Load { hit_tokens },
             pages: page_slots.iter().map(|&s| (s, false)).collect(),
             states: state_slot.map(|s| (s, false)).into_iter().collect(),
+            epoch: 0,
         });
         Ok(LoadPlan { ticket, hit_tokens, page_slots, state_slot })
     }
@@ -346,9 +391,17 @@ impl Index {
         }
         let keys = self.chain(request_id, namespace, tokens, Check::Full)?.to_vec();
         let bs = self.cfg.block_size;
-        if keys.len() * bs < self.cfg.min_hit_tokens {
-            let ticket =
-                self.issue(Ticket { kind: TicketKind::Store { lead: 0 }, pages: Vec::new(), states: Vec::new() });
+        let stale = self.stale_version(request_id);
+        if stale {
+            self.stats.stale_version_calls += 1;
+        }
+        if stale || keys.len() * bs < self.cfg.min_hit_tokens {
+            let ticket = self.issue(Ticket {
+                kind: TicketKind::Store { lead: 0 },
+                pages: Vec::new(),
+                states: Vec::new(),
+                epoch: 0,
+            });
             return Ok(StorePlan { ticket, ..StorePlan::default() });
         }
 
@@ -427,6 +480,7 @@ impl Index {
             kind: TicketKind::Store { lead },
             pages: pages.iter().map(|&(_, s, new)| (s, new)).collect(),
             states,
+            epoch: 0,
         });
         Ok(StorePlan {
             ticket,
@@ -453,7 +507,7 @@ impl Index {
         let (mut pages, mut states) = (Vec::new(), Vec::new());
         let page_slots = acquire_ready(&mut self.pages, page_keys, &mut pages)?;
         let state_slots = acquire_ready(&mut self.states, state_keys, &mut states)?;
-        let ticket = self.issue(Ticket { kind: TicketKind::Hold, pages, states });
+        let ticket = self.issue(Ticket { kind: TicketKind::Hold, pages, states, epoch: 0 });
         Ok(SlotPlan { ticket, page_slots, state_slots })
     }
 
@@ -481,11 +535,13 @@ impl Index {
             kind: TicketKind::Fetch,
             pages: page_new_slots.iter().map(|&s| (s, true)).collect(),
             states: state_new_slots.iter().map(|&s| (s, true)).collect(),
+            epoch: 0,
         });
         Ok(Some(SlotPlan { ticket, page_slots, state_slots }))
     }
 
-    fn issue(&mut self, ticket: Ticket) -> u64 {
+    fn issue(&mut self, mut ticket: Ticket) -> u64 {
+        ticket.epoch = self.epoch;
         let id = self.next_ticket;
         self.next_ticket += 1;
         self.tickets.insert(id, ticket);
@@ -503,6 +559,15 @@ impl Index {
     /// boundaries in pages. This is what the L3 write-behind puts.
     pub fn finish(&mut self, ticket: u64) -> Result<Option<Ready>> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        if t.epoch != self.epoch {
+            // Issued under an earlier model version: what it copied belongs to the old weights.
+            if let TicketKind::Load { .. } = t.kind {
+                self.stats.pages_loaded += t.pages.len() as u64;
+                self.stats.states_loaded += t.states.len() as u64;
+            }
+            self.drop_ticket(&t)?;
+            return Ok(None);
+        }
         let stored = matches!(t.kind, TicketKind::Store { .. });
         for &(s, new) in t.pages.iter().rev() {
             if new {
@@ -542,23 +607,24 @@ impl Index {
     /// released, a load's hit uncounted. The caller counts the failure (`count_error`).
     pub fn abort(&mut self, ticket: u64) -> Result<()> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
-        for &(s, new) in &t.pages {
-            if new {
-                self.pages.discard(s)?;
-            } else {
-                self.pages.release(s)?;
-            }
-        }
-        for &(s, new) in &t.states {
-            if new {
-                self.states.discard(s)?;
-            } else {
-                self.states.release(s)?;
-            }
-        }
+        self.drop_ticket(&t)?;
         if let TicketKind::Load { hit_tokens } = t.kind {
             self.stats.hits -= 1;
             self.stats.hit_tokens -= hit_tokens as u64;
+        }
+        Ok(())
+    }
+
+    /// Discards a ticket's new entries and releases the entries it held.
+    fn drop_ticket(&mut self, t: &Ticket) -> Result<()> {
+        for (pool, entries) in [(&mut self.pages, &t.pages), (&mut self.states, &t.states)] {
+            for &(s, new) in entries {
+                if new {
+                    pool.discard(s)?;
+                } else {
+                    pool.release(s)?;
+                }
+            }
         }
         Ok(())
     }
@@ -737,6 +803,42 @@ mod tests {
         ix.check().unwrap();
     }
 
+    /// Weights updated in place: nothing of the old version is served again, and copies in flight for it make
+    /// nothing ready.
+    #[test]
+    fn a_new_model_version_retires_everything_of_the_old_one() {
+        let mut ix = index(16, 2);
+        let t = ids(0..17);
+        stored(&mut ix, "done", &t);
+        ix.lookup("loading", b"", &t).unwrap();
+        let load = ix.begin_load("loading", 16).unwrap();
+        let store = ix.plan_store("storing", b"", &ids(100..117), 17).unwrap();
+        assert!(!store.page_slots.is_empty());
+        ix.lookup("seen", b"", &ids(200..217)).unwrap();
+        assert!(ix.set_model_version(b"v2"));
+        assert!(!ix.set_model_version(b"v2"), "the same version changes nothing");
+        assert_eq!(ix.pages().evictable(), 0, "evictable entries are dropped at once");
+        ix.complete(load.ticket).unwrap();
+        ix.complete(store.ticket).unwrap();
+        ix.check().unwrap();
+        assert_eq!((ix.pages().used(), ix.states().used()), (0, 0), "entries in use are dropped when released");
+        assert_eq!(ix.lookup("fresh", b"", &t).unwrap().hit_tokens, 0);
+        // A request seen before the change serves and stores nothing: its prefill may have run on the old weights.
+        assert_eq!(ix.lookup("seen", b"", &ids(200..217)).unwrap(), Lookup::default());
+        let p = ix.plan_store("seen", b"", &ids(200..217), 17).unwrap();
+        assert!(p.page_slots.is_empty() && p.state_slots.is_empty());
+        ix.complete(p.ticket).unwrap();
+        // Requests of the new version store and hit as before, under other keys.
+        let old_keys = ix.keys("done").unwrap().to_vec();
+        stored(&mut ix, "new", &t);
+        assert_ne!(ix.keys("new").unwrap(), &old_keys[..]);
+        assert_eq!(ix.lookup("again", b"", &t).unwrap().hit_tokens, 16);
+        let s = ix.stats();
+        assert_eq!((s.model_versions, s.stale_version_calls), (1, 2));
+        assert_eq!(ix.pages().retired(), 4, "the 4 ready pages, dropped when the load holding them finished");
+        ix.check().unwrap();
+    }
+
     #[test]
     fn huge_pools_cost_nothing_until_used() {
         let mut ix = with(config(2_000_000_000, 2_000_000_000, 4));
@@ -837,6 +939,10 @@ mod fuzz {
             rid: u8,
             prompt: (u8, u8),
         },
+        /// The model's weights were updated in place.
+        Version {
+            v: u8,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -850,6 +956,7 @@ mod fuzz {
             (0u8..6).prop_map(|rid| Op::Forget { rid }),
             (0u8..32).prop_map(|pages| Op::Grow { pages }),
             (0u8..6, prompt.clone()).prop_map(|(rid, prompt)| Op::Reuse { rid, prompt }),
+            (0u8..3).prop_map(|v| Op::Version { v }),
         ]
     }
 
@@ -918,7 +1025,7 @@ mod fuzz {
                     }
                     Op::Hold { prompt } => {
                         let mut c = Chain::default();
-                        c.extend(ix.hasher(), 4, b"", &tokens(prompt.0, prompt.1)).unwrap();
+                        c.extend(ix.hasher(), 4, b"", 0, &tokens(prompt.0, prompt.1)).unwrap();
                         let keys = c.keys().to_vec();
                         tickets.push(ix.hold(&keys, &keys).unwrap().ticket);
                     }
@@ -947,6 +1054,11 @@ mod fuzz {
                         }
                     }
                     Op::Grow { pages } => ix.grow(u32::from(pages), states),
+                    Op::Version { v } => {
+                        if ix.set_model_version(&[v]) {
+                            prop_assert_eq!(ix.pages().evictable() + ix.states().evictable(), 0);
+                        }
+                    }
                     Op::Finish { .. } => {}
                 }
                 ix.check().map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -194,6 +194,30 @@ pub fn fingerprint(fields: &[(String, String)]) -> Result<String> {
     Ok(h.finalize().to_hex()[..32].to_string())
 }
 
+/// Bytes of one part of `part_digests`.
+pub const DIGEST_PART_BYTES: usize = 16 << 20;
+
+/// The BLAKE3 digest of each `DIGEST_PART_BYTES` part of `data` (the last part may be shorter), digested on
+/// several threads: what a model's weights identity is built from, so that every weight byte counts and a
+/// checkpoint of many GiB is digested at memory speed. The parts depend only on the bytes, so data read in chunks
+/// of whole parts gives the same digests.
+pub fn part_digests(data: &[u8]) -> Vec<[u8; 32]> {
+    let parts: Vec<&[u8]> = data.chunks(DIGEST_PART_BYTES).collect();
+    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(parts.len()).max(1);
+    let mut out = vec![[0u8; 32]; parts.len()];
+    let per = parts.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (outs, ins) in out.chunks_mut(per.max(1)).zip(parts.chunks(per.max(1))) {
+            scope.spawn(move || {
+                for (o, part) in outs.iter_mut().zip(ins) {
+                    *o = *blake3::hash(part).as_bytes();
+                }
+            });
+        }
+    });
+    out
+}
+
 /// `kvtier/v<version>/<fp>/g<G>/<hex>`: the object holding pages `[g*G, (g+1)*G)`, named by the chain key of its
 /// last page (which covers the whole prefix).
 pub fn group_key_string(fingerprint: &str, group_pages: u32, last_page_key: Key) -> String {
@@ -308,6 +332,19 @@ mod tests {
         let mut h = [0u8; HEADER_BYTES];
         ObjectFormat::new("fp-a", b"k2").seal(&mut h, 1, ObjectKind::State, &parts);
         assert_eq!(keyed.check(&h, 1, ObjectKind::State, &parts), Err(Reject::Digest), "another key");
+    }
+
+    #[test]
+    fn part_digests_cover_every_byte_in_parts() {
+        let mut data = vec![0u8; 2 * DIGEST_PART_BYTES + 5];
+        let d = part_digests(&data);
+        assert_eq!(d.len(), 3);
+        assert_eq!(d[2], *blake3::hash(&[0u8; 5]).as_bytes());
+        data[DIGEST_PART_BYTES + 7] = 1;
+        let e = part_digests(&data);
+        assert_eq!((d[0] == e[0], d[1] == e[1], d[2] == e[2]), (true, false, true));
+        assert_eq!(part_digests(&data[..DIGEST_PART_BYTES]), e[..1].to_vec(), "chunks of whole parts agree");
+        assert!(part_digests(&[]).is_empty());
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //!
 //! The bookkeeping grows with the slots handed out, not with the capacity: a pool of two billion slots costs
 //! nothing until its slots are used (slots never used are a counter, not a list).
+//!
+//! Entries belong to the pool's epoch they were reserved in. `retire_all` (the model changed) starts a new epoch
+//! and drops every evictable entry; an entry of an older epoch still in use can never become ready and is dropped
+//! when its last reference goes.
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -40,6 +44,8 @@ pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
 struct Slot {
     /// The entry in this slot, if any.
     entry: Option<Entry>,
+    /// The pool's epoch when the entry was reserved.
+    epoch: u32,
     prev: u32,
     next: u32,
 }
@@ -68,6 +74,9 @@ pub struct Pool {
     tail: u32,
     evictable: usize,
     evicted: u64,
+    epoch: u32,
+    /// Entries dropped by `retire_all` (at once or at their last release).
+    retired: u64,
 }
 
 impl Pool {
@@ -83,6 +92,8 @@ impl Pool {
             tail: NIL,
             evictable: 0,
             evicted: 0,
+            epoch: 0,
+            retired: 0,
         };
         pool.grow(usable.min(capacity));
         pool
@@ -126,7 +137,7 @@ impl Pool {
         if self.fresh() == 0 {
             return None;
         }
-        self.slots.push(Slot { entry: None, prev: NIL, next: NIL });
+        self.slots.push(Slot { entry: None, epoch: 0, prev: NIL, next: NIL });
         Some(self.slots.len() as u32 - 1)
     }
     pub fn evictable(&self) -> usize {
@@ -134,6 +145,36 @@ impl Pool {
     }
     pub fn evicted(&self) -> u64 {
         self.evicted
+    }
+    pub fn retired(&self) -> u64 {
+        self.retired
+    }
+
+    /// Starts a new epoch (the bytes behind every key changed meaning: the model was updated): every evictable
+    /// entry is dropped now; an entry still in use keeps its slot until its last release, never becomes ready, and
+    /// is dropped then. Returns the entries dropped now.
+    pub fn retire_all(&mut self) -> usize {
+        self.epoch = self.epoch.wrapping_add(1);
+        let mut n = 0;
+        while let Some((slot, _)) = self.pop_lru() {
+            self.evicted -= 1; // not an eviction: counted as retired
+            self.free.push(slot);
+            n += 1;
+        }
+        self.retired += n as u64;
+        n
+    }
+
+    /// Whether the entry in `slot` was reserved before the last `retire_all`.
+    fn is_retired(&self, slot: u32) -> bool {
+        self.slots.get(slot as usize).is_some_and(|s| s.epoch != self.epoch)
+    }
+
+    /// Empties a slot whose entry has no references, returning it to the free slots.
+    fn drop_entry(&mut self, slot: u32) {
+        let entry = self.slots[slot as usize].entry.take().expect("a used slot");
+        self.map.remove(&entry.key);
+        self.free.push(slot);
     }
 
     pub fn slot_of(&self, key: Key) -> Option<u32> {
@@ -173,7 +214,9 @@ impl Pool {
                     s
                 }
             };
-            self.slots[slot as usize].entry = Some(Entry { key, refs: 1, ready: false });
+            let s = &mut self.slots[slot as usize];
+            s.entry = Some(Entry { key, refs: 1, ready: false });
+            s.epoch = self.epoch;
             self.map.insert(key, slot);
             slots.push(slot);
         }
@@ -211,26 +254,34 @@ impl Pool {
         Ok(())
     }
 
-    /// Drops a reference; an entry that is ready with no references re-enters at the most-recent end.
+    /// Drops a reference; an entry that is ready with no references re-enters at the most-recent end (an entry of
+    /// an earlier epoch is dropped instead).
     pub fn release(&mut self, slot: u32) -> Result<()> {
+        let retired = self.is_retired(slot);
         let e = self.entry_mut(slot)?;
         if e.refs == 0 {
             return Err(Error::Invariant(format!("release of slot {slot} with no references")));
         }
         e.refs -= 1;
-        if e.refs == 0 && e.ready {
+        let (free, ready) = (e.refs == 0, e.ready);
+        if free && retired {
+            self.drop_entry(slot);
+            self.retired += 1;
+        } else if free && ready {
             self.push_back(slot);
         }
         Ok(())
     }
 
-    /// Marks an acquired entry's host copy complete (it stays acquired until released).
+    /// Marks an acquired entry's host copy complete (it stays acquired until released). An entry of an earlier
+    /// epoch stays not ready: its bytes belong to what was retired.
     pub fn mark_ready(&mut self, slot: u32) -> Result<()> {
+        let retired = self.is_retired(slot);
         let e = self.entry_mut(slot)?;
         if e.refs == 0 {
             return Err(Error::Invariant(format!("mark_ready of slot {slot} with no references")));
         }
-        e.ready = true;
+        e.ready |= !retired;
         Ok(())
     }
 
@@ -240,9 +291,7 @@ impl Pool {
         if e.ready || e.refs != 1 {
             return Err(Error::Invariant(format!("discard of slot {slot} that is ready or shared ({e:?})")));
         }
-        self.slots[slot as usize].entry = None;
-        self.map.remove(&e.key);
-        self.free.push(slot);
+        self.drop_entry(slot);
         Ok(())
     }
 
@@ -443,6 +492,7 @@ mod tests {
         Release(u8),
         Touch(u8),
         Evict,
+        Retire,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -454,6 +504,7 @@ mod tests {
             any::<u8>().prop_map(Op::Release),
             any::<u8>().prop_map(Op::Touch),
             Just(Op::Evict),
+            Just(Op::Retire),
         ]
     }
 
@@ -466,6 +517,8 @@ mod tests {
             let mut pending: Vec<u32> = Vec::new();
             // Extra references we took on ready entries.
             let mut held: Vec<u32> = Vec::new();
+            // Pending entries of an epoch that was retired.
+            let mut retired: Vec<u32> = Vec::new();
             for op in ops {
                 match op {
                     Op::Reserve(raw) => {
@@ -488,6 +541,13 @@ mod tests {
                                 prop_assert_eq!(before, after, "failed reservation changed the pool");
                             }
                         }
+                    }
+                    Op::Complete(i) if !retired.is_empty() && i % 2 == 0 => {
+                        let s = retired.swap_remove(i as usize % retired.len());
+                        p.mark_ready(s).unwrap();
+                        prop_assert!(!p.entry(s).unwrap().ready, "a retired entry never becomes ready");
+                        p.release(s).unwrap();
+                        prop_assert!(p.entry(s).is_none(), "a retired entry is dropped at its last release");
                     }
                     Op::Complete(i) if !pending.is_empty() => {
                         let s = pending.swap_remove(i as usize % pending.len());
@@ -516,6 +576,14 @@ mod tests {
                             prop_assert!(p.slot_of(k).is_none());
                             prop_assert!(pending.iter().chain(&held).all(|&s| p.entry(s).is_some()));
                         }
+                    }
+                    Op::Retire => {
+                        let in_use: Vec<u32> = pending.iter().chain(&held).copied().collect();
+                        p.retire_all();
+                        prop_assert_eq!(p.evictable(), 0, "every evictable entry is dropped at once");
+                        prop_assert!(in_use.iter().all(|&s| p.entry(s).is_some()), "entries in use keep their slots");
+                        // Whatever was in use before can never become ready: track it apart from new work.
+                        retired.append(&mut pending);
                     }
                     _ => {}
                 }

@@ -24,6 +24,10 @@ pub struct Stats {
     /// Calls refused because the prompt does not extend what was hashed for the request id (an id reused without
     /// `forget`).
     pub prompt_mismatches: u64,
+    /// Times the model version changed (`Index::set_model_version`).
+    pub model_versions: u64,
+    /// Lookups and stores of requests first seen under an earlier model version (they serve and store nothing).
+    pub stale_version_calls: u64,
 }
 
 impl Stats {
@@ -91,6 +95,14 @@ pub const TABLE: &[StatInfo] = &[
         "prompt_mismatches",
         Counter,
         "Calls refused: the prompt does not extend the tokens hashed for its request id (reused without forget)",
+    ),
+    stat("model_versions", Counter, "Times the model version changed (weights updated in place)"),
+    stat("pages_retired", Counter, "Host pages dropped because the model version changed"),
+    stat("states_retired", Counter, "Host states dropped because the model version changed"),
+    stat(
+        "stale_version_calls",
+        Counter,
+        "Lookups and stores of requests first seen under an earlier model version (nothing served or stored)",
     ),
     stat("bad_arguments", Counter, "Adapter calls refused for a bad argument (never towards max_errors)"),
     stat("bytes_to_host", Counter, "Bytes copied GPU to host"),

@@ -475,7 +475,13 @@ def test_l3_settings_that_cannot_fit_are_refused_before_anything_starts():
     for name in ("l3_segment_bytes", "l3_buffer_bytes"):
         with pytest.raises(ValueError, match=name):
             HostPrefixCache(
-                e.gpu_blocks, block_size=16, host_bytes="1MiB", l3="mooncake", l3_master="127.0.0.1:1", **{name: big}
+                e.gpu_blocks,
+                block_size=16,
+                host_bytes="1MiB",
+                l3="mooncake",
+                l3_master="127.0.0.1:1",
+                hash_key="k",
+                **{name: big},
             )
 
 

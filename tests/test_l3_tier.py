@@ -23,7 +23,8 @@ from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
 from kvtier.engine import Engine, EngineConfig  # noqa: E402
-from kvtier.l3 import MooncakeStore, Shard, StoreConfig  # noqa: E402
+from kvtier.identity import Shard  # noqa: E402
+from kvtier.l3 import MooncakeStore, StoreConfig  # noqa: E402
 from kvtier.l3.server import LocalMooncake  # noqa: E402
 from kvtier.l3.store import StoreWrapper  # noqa: E402
 from kvtier.workload import Conversations  # noqa: E402
@@ -31,6 +32,8 @@ from kvtier.workload import Conversations  # noqa: E402
 pytestmark = pytest.mark.mooncake
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The deployment's secret hash key: objects that only its caches can make.
+KEY = "kvtier test deployment"
 
 
 def work(seed: int) -> Conversations:
@@ -54,6 +57,7 @@ def engine(**kw) -> Engine:  # type: ignore[no-untyped-def]
 def attach(e: Engine, master: str | None, **settings) -> Cache:  # type: ignore[no-untyped-def]
     if master is not None:
         settings.update(l3="mooncake", l3_master=master)
+        settings.setdefault("hash_key", KEY)
     cache = Cache(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, **settings)
     e.cache = cache
     if master is not None:
@@ -360,7 +364,7 @@ def test_models_and_tensor_parallel_ranks_never_share_objects_mla_ranks_do(moonc
 def test_l3_needs_the_model_identity():
     gpu = torch.zeros((8, 1024), dtype=torch.uint8)
     with pytest.raises(ValueError, match="fingerprint_fields"):
-        HostPrefixCache(gpu, block_size=16, host_bytes=1 << 20, l3="mooncake", l3_master="127.0.0.1:1")
+        HostPrefixCache(gpu, block_size=16, host_bytes=1 << 20, l3="mooncake", l3_master="127.0.0.1:1", hash_key=KEY)
     with pytest.raises(ValueError, match="tp_rank < tp_size"):
         Shard(tp_rank=2, tp_size=2)
 
@@ -487,6 +491,7 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
             preallocate=True,
             l3="mooncake",
             l3_master=mooncake_server.master_addr,
+            hash_key=KEY,
             l3_deadline_ms=5000,
             fingerprint_fields={"test": "long"},
         )
@@ -591,6 +596,7 @@ def test_caches_dropped_without_close_release_threads_and_fds(mooncake_server):
             preallocate=True,
             l3="mooncake",
             l3_master=mooncake_server.master_addr,
+            hash_key=KEY,
             l3_buffer_bytes=1 << 20,
             fingerprint_fields={},
         )

@@ -62,7 +62,12 @@ def test_table_kinds():
 
 @pytest.mark.mooncake
 def test_every_l3_statistic_is_in_the_table_and_exported(mooncake_server):
-    c = cache(l3="mooncake", l3_master=mooncake_server.master_addr, fingerprint_fields={"model": "registry-test"})
+    c = cache(
+        l3="mooncake",
+        l3_master=mooncake_server.master_addr,
+        hash_key="registry-test",
+        fingerprint_fields={"model": "registry-test"},
+    )
     try:
         check_stats(c, l3=True)
     finally:

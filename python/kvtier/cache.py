@@ -144,10 +144,12 @@ class HostPrefixCache:
     copies the state at token position ``pos`` into ``staging`` (uint8, ``state_bytes``, on the pool's device)
     and ``load_state(handle, pos, staging)`` loads it back; ``handle`` is whatever the engine passes as
     ``state=`` (its sequence object). Settings: see ``CacheSettings`` (arguments or ``KVTIER_*`` variables).
-    L3 (``l3="mooncake"``): ``fingerprint_fields`` name what else decides the bytes of a page (the model's
-    config and weights identity, dtype...) and go into the L3 keys' fingerprint, so caches of different models
-    never read each other's objects; L3 refuses to start without them (pass ``{}`` to say that nothing else
-    does). ``shard`` (``kvtier.l3.Shard``) names the parallel ranks whose part of each page this process holds.
+    L3 (``l3="mooncake"``): ``fingerprint_fields`` (a mapping, or a callable of the resolved settings that makes
+    one, called only with L3) name what else decides the bytes of a page (the model's config and weights digest,
+    the KV cache dtype...) and go into the L3 keys' fingerprint with the ``model_version`` setting, so caches of
+    different models never read each other's objects; L3 refuses to start without one of them (pass ``{}`` to say
+    that nothing else does). ``shard`` (``kvtier.identity.Shard``) names the parallel ranks whose part of each page this
+    process holds.
     ``l3_store(config)`` builds the Store client (default: Mooncake Store).
     """
 
@@ -161,7 +163,7 @@ class HostPrefixCache:
         select_state: StateFn | None = None,
         load_state: StateFn | None = None,
         env: dict[str, str] | None = None,
-        fingerprint_fields: Mapping[str, str] | None = None,
+        fingerprint_fields: Mapping[str, str] | Callable[[CacheSettings], Mapping[str, str]] | None = None,
         shard: Any = None,
         l3_store: Callable[[Any], Any] | None = None,
         **settings: Any,
@@ -220,6 +222,8 @@ class HostPrefixCache:
             hash_key=s.hash_key,
         )
         self.index = Index(config, usable_page_slots=0, usable_state_slots=0)
+        if s.model_version is not None:
+            self.index.set_model_version(s.model_version)
         self.disabled = False
         self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
         self.errors = 0
@@ -249,17 +253,19 @@ class HostPrefixCache:
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
         self._l3: Any = None
         if s.l3 == "mooncake":
-            from kvtier.l3.identity import Shard, layout_fields
+            from kvtier.identity import Shard, layout_fields
             from kvtier.l3.tier import L3Tier
 
-            if fingerprint_fields is None:
+            if callable(fingerprint_fields):
+                fingerprint_fields = fingerprint_fields(s)
+            if fingerprint_fields is None and s.model_version is None:
                 raise ValueError(
-                    "l3='mooncake' needs fingerprint_fields naming the model (its config and weights "
-                    "identity), or fingerprint_fields={} to say that the page geometry alone decides "
-                    "the bytes"
+                    "l3='mooncake' needs the model's identity: model_version (a revision the deployment vouches "
+                    "for), or fingerprint_fields naming the model (its config and the digest of its weights), or "
+                    "fingerprint_fields={} to say that the page geometry alone decides the bytes"
                 )
             if shard is not None and not isinstance(shard, Shard):
-                raise TypeError(f"shard must be a kvtier.l3.Shard, got {type(shard).__name__}")
+                raise TypeError(f"shard must be a kvtier.identity.Shard, got {type(shard).__name__}")
             layout = "page-first" if isinstance(pages, torch.Tensor) else f"layer-first/{len(layers)}"
             fields = layout_fields(
                 page_bytes=self.page_bytes,
@@ -269,7 +275,8 @@ class HostPrefixCache:
                 hash_kind=self.index.hash_kind,
                 key_id=self.index.key_id,
                 shard=shard or Shard(),
-                model_fields=fingerprint_fields,
+                model_fields=fingerprint_fields or {},
+                model_version=s.model_version,
             )
             self._l3 = L3Tier(
                 s,
@@ -536,6 +543,18 @@ class HostPrefixCache:
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
             self._error("forget", e)
 
+    def set_model_version(self, version: str) -> None:
+        """The engine updated its weights in place (an RL weight sync, a new checkpoint): nothing stored under the
+        old version is served again. Host entries of the old version are dropped (those still in use when their
+        copies finish), copies in flight for it make nothing ready, requests seen before this call serve and store
+        nothing until forgotten, and L3 objects are named and checked under the new version's fingerprint. Call
+        it before the engine runs any prefill on the new weights."""
+        if not isinstance(version, str) or not version:
+            raise TypeError(f"version must be a non-empty str, got {type(version).__name__} {version!r}")
+        with self._lock:
+            if self.index.set_model_version(version) and self._l3 is not None:
+                self._l3.set_model_version(version)
+
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
         out: dict[str, Any] = dict(self.index.stats())
@@ -583,6 +602,13 @@ class HostPrefixCache:
             )
         else:
             self._error(where, e)
+
+    def disable(self, reason: str) -> None:
+        """Stops serving and storing for good (logged): what an adapter does when it cannot keep the cache exact."""
+        with self._lock:
+            if not self.disabled:
+                self.disabled = True
+                log.error("kvtier: the host prefix cache disables itself: %s", reason)
 
     def _error(self, where: str, e: BaseException) -> None:
         with self._lock:

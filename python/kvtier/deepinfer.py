@@ -14,11 +14,14 @@ model has state, with ``engine.select_state`` / ``engine.load_state`` and ``engi
 Optionally ``engine.page_layers``: the layers a page-first page holds, back to back in layer order; layer-wise
 loads then copy and wait a layer at a time (without it, a page is one piece).
 
-With L3, the objects' fingerprint covers the model: ``model_identity(engine)`` digests the engine's config
-(``engine.config``: a dataclass, ``to_dict()`` or attributes) and its weights (the names, shapes and dtypes of every
-tensor of ``engine.model`` plus a sample of their bytes), unless the caller passes ``fingerprint_fields``; the
-shard comes from ``engine.tp_rank`` / ``tp_size`` / ``pp_rank`` / ``pp_size`` / ``cp_rank`` / ``cp_size`` and
-``engine.kv_replicated`` (MLA) where the engine has them, unless the caller passes ``shard``.
+With L3, the objects' fingerprint covers the model (``kvtier.identity.model_identity``): the engine's config
+(``engine.fingerprint``, or a digest of ``engine.config``: a dataclass, ``to_dict()`` or attributes), the engine
+settings that change KV bytes (``KV_ATTRIBUTES``: KV cache dtype and scales, quantization, positional settings,
+window; on the engine, its ``config`` or ``cache_config``), and either the ``model_version`` setting (a revision the
+deployment vouches for) or a digest of every byte of every tensor of ``engine.model``; unless the caller passes
+``fingerprint_fields``. The shard comes from ``engine.tp_rank`` / ``tp_size`` / ``pp_rank`` / ``pp_size`` /
+``cp_rank`` / ``cp_size`` and ``engine.kv_replicated`` (MLA) where the engine has them, unless the caller passes
+``shard``. Weights updated in place: ``set_model_version(v)``.
 
 Every call catches its own exceptions (bad arguments included) and never raises into the engine: a bad argument
 is logged and counted in ``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after
@@ -27,76 +30,16 @@ is logged and counted in ``bad_arguments``; any other failure is kvtier's, count
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from kvtier.cache import HostPrefixCache
-
-# Bytes sampled from each weight tensor (at its start, middle and end) for the model's identity.
-_SAMPLE_BYTES = 4096
+from kvtier.identity import Shard, model_identity
 
 
-def _tensors(obj: Any, prefix: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor reachable from a model object, by a dotted name, each once."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, torch.nn.Module):
-        yield from ((f"{prefix}{k}", v) for k, v in obj.state_dict(keep_vars=True).items())
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            yield from _tensors(obj[k], f"{prefix}{k}.", seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}{i}.", seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for k, v in sorted(vars(obj).items()):
-            yield from _tensors(v, f"{prefix}{k}.", seen)
-
-
-def weights_identity(model: Any) -> str:
-    """A digest of a model's weights: every tensor's name, shape and dtype, and a sample of its bytes."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in _tensors(model, "", set()):
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        n = flat.numel()
-        picks = {0, max(0, n // 2 - _SAMPLE_BYTES // 2), max(0, n - _SAMPLE_BYTES)}
-        sample = torch.cat([flat[i : i + _SAMPLE_BYTES] for i in sorted(picks)]).cpu()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{n}\n".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()
-
-
-def config_identity(config: Any) -> str:
-    """A digest of an engine's model config (a dataclass, an object with ``to_dict()``, or its attributes)."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        fields = dataclasses.asdict(config)
-    elif hasattr(config, "to_dict"):
-        fields = config.to_dict()
-    else:
-        fields = dict(vars(config))
-    return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
-
-
-def model_identity(engine: Any) -> dict[str, str]:
-    """The fingerprint fields of an engine's model: its config and its weights. The reference engine's
-    ``fingerprint`` (config fields that decide page bytes) is used for the config when it has one."""
-    config = getattr(engine, "fingerprint", None) or config_identity(engine.config)
-    return {"model_config": str(config), "model_weights": weights_identity(engine.model)}
-
-
-def engine_shard(engine: Any) -> Any:
+def engine_shard(engine: Any) -> Shard:
     """The engine's parallel ranks (``tp_rank``... attributes; 0 of 1 where absent) and KV replication."""
-    from kvtier.l3.identity import Shard
-
     dims = {
         f"{d}_{w}": int(getattr(engine, f"{d}_{w}", 0 if w == "rank" else 1))
         for d in ("tp", "pp", "cp")
@@ -142,12 +85,11 @@ class Cache:
         has_state = getattr(engine, "gpu_states", None) is not None and getattr(engine, "state_bytes", 0) > 0
         settings.setdefault("ring_slack", getattr(engine, "ring_slack", None))
         settings.setdefault("page_layers", getattr(engine, "page_layers", None))
-        if settings.get("l3") or (settings.get("env") or os.environ).get("KVTIER_L3"):
-            # L3 keys name the model and the shard (the caller's, or what the engine has).
-            if settings.get("fingerprint_fields") is None:
-                settings["fingerprint_fields"] = model_identity(engine)
-            if settings.get("shard") is None:
-                settings["shard"] = engine_shard(engine)
+        # L3 keys name the model and the shard: the caller's, or what the engine has (read only with L3).
+        if settings.get("fingerprint_fields") is None:
+            settings["fingerprint_fields"] = lambda s: model_identity(engine, s.model_version)
+        if settings.get("shard") is None:
+            settings["shard"] = engine_shard(engine)
         self.cache = HostPrefixCache(
             pages,
             block_size=engine.cache_config.block_size,
@@ -237,6 +179,16 @@ class Cache:
     def _sync(self) -> None:
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
+
+    def set_model_version(self, version: str) -> None:
+        """The engine updated its weights in place: nothing stored under the old version is served again (see
+        ``HostPrefixCache.set_model_version``). If the change cannot be made, the cache disables itself rather
+        than serve KV of the old weights."""
+        try:
+            self.cache.set_model_version(version)
+        except Exception as e:  # noqa: BLE001 - the adapter never raises into the engine
+            self.cache.report_error("set_model_version", e)
+            self.cache.disable("the model version could not be changed")
 
     def stats_dict(self) -> dict[str, Any]:
         return self.cache.stats()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+# The instances of `--l3 local` share a secret key made for this run: objects nobody else can forge.
+DEMO_KEY = secrets.token_hex(16)
 
 
 @dataclass
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace, cache_on: bool, progress: Progress, l3_master:
     engine = Engine(engine_config(args))
     cache = None
     if cache_on:
-        l3: dict[str, Any] = {"l3": "mooncake", "l3_master": l3_master} if l3_master else {}
+        l3: dict[str, Any] = {"l3": "mooncake", "l3_master": l3_master, "hash_key": DEMO_KEY} if l3_master else {}
         cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True, **l3)
         engine.cache = cache
         if l3_master and not cache.cache._l3.wait_connected(20):

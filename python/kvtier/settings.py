@@ -197,6 +197,13 @@ REGISTRY: tuple[Setting, ...] = (
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
     S("l3", TEXT, None, "`mooncake` enables the L3 tier", choices=("mooncake",)),
+    S(
+        "model_version",
+        TEXT,
+        None,
+        "the model's revision (a checkpoint hash or commit the deployment vouches for): every key is derived under "
+        "it; without it the adapter digests every weight byte",
+    ),
     S("l3_master", TEXT, None, "Mooncake master `host:port`"),
     S("l3_metadata_server", TEXT, "P2PHANDSHAKE", "Mooncake metadata server"),
     S("l3_protocol", TEXT, "tcp", "Mooncake transfer protocol", choices=("tcp", "rdma")),
@@ -205,6 +212,33 @@ REGISTRY: tuple[Setting, ...] = (
     S("l3_group_pages", INT, 4, "pages per L3 object", minimum=1, maximum=4096),
     S("l3_deadline_ms", FLOAT, 50.0, "how long a request waits for an L3 fetch", minimum=0),
     S("l3_seen_keys", INT, 1 << 20, "L3 keys remembered as already in the Store", minimum=1, maximum=INT32_MAX),
+    S(
+        "l3_local_hostname",
+        TEXT,
+        "127.0.0.1",
+        "address this instance's Mooncake transfer engine is reached at and binds to",
+    ),
+    S(
+        "l3_zero_copy",
+        BOOL,
+        False,
+        "register the host pools with Mooncake and move objects straight from and into them (trusted Mooncake "
+        "network only: any transfer-engine peer can write registered memory)",
+    ),
+    S(
+        "l3_staging_bytes",
+        BYTES,
+        128 << 20,
+        "each of the two registered staging buffers L3 objects move through when not zero-copy",
+        minimum=1,
+    ),
+    S(
+        "l3_trusted_store",
+        BOOL,
+        False,
+        "everyone who can write to the Store is trusted: allows L3 with the public default hash_key, under which "
+        "objects can be forged",
+    ),
     S(
         "copy_method",
         TEXT,
@@ -268,6 +302,14 @@ class CacheSettings:
             sources[s.name] = source
         if values["l3"] == "mooncake" and not values["l3_master"]:
             raise ValueError("setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)")
+        if values["l3"] == "mooncake" and values["hash_key"] is None and not values["l3_trusted_store"]:
+            raise ValueError(
+                "setting l3='mooncake' with the public default hash_key: anyone who can write to the Store could "
+                "forge objects this cache accepts. Set hash_key (KVTIER_HASH_KEY) to a secret of the deployment, "
+                "or l3_trusted_store=true (KVTIER_L3_TRUSTED_STORE) if everyone who can write to the Store is trusted"
+            )
+        if values["model_version"] == "":
+            raise ValueError("setting model_version must not be empty (leave it unset instead)")
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "sources", sources)
 
@@ -353,8 +395,9 @@ def check_fits(
     pages = page_slots * (page_bytes + BOOKKEEPING_BYTES_PER_SLOT)
     states = state_slots * (state_bytes + BOOKKEEPING_BYTES_PER_SLOT)
     l3 = 0
-    if settings.l3:  # the Store's segment and buffer, a group's scratch buffer, the seen-set at its bound
+    if settings.l3:  # the Store's segment and buffer, a group's scratch buffer, the staging, the seen-set
         l3 = settings.l3_segment_bytes + settings.l3_buffer_bytes + settings.l3_group_pages * page_bytes
+        l3 += 0 if settings.l3_zero_copy else 2 * settings.l3_staging_bytes
         l3 += settings.l3_seen_keys * BOOKKEEPING_BYTES_PER_SLOT
     have = f"this machine has {format_bytes(memory)} ({memory} bytes) of memory"
     if pages > memory:
@@ -366,6 +409,6 @@ def check_fits(
         )
     if pages + states + l3 > memory:
         raise ValueError(
-            f"settings l3_segment_bytes, l3_buffer_bytes, l3_group_pages and l3_seen_keys need {l3} bytes beside "
-            f"the host pools; {have}"
+            f"settings l3_segment_bytes, l3_buffer_bytes, l3_group_pages, l3_staging_bytes and l3_seen_keys need "
+            f"{l3} bytes beside the host pools; {have}"
         )

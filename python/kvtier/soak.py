@@ -153,6 +153,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         l3_settings = {
             "l3": "mooncake",
             "l3_master": l3.master_addr,
+            "hash_key": f"kvtier soak {rng.random()}",
             "l3_group_pages": rng.choice([1, 2, 4]),
             "l3_deadline_ms": rng.choice([5, 50, 500]),
             "l3_store": faulty,

@@ -172,6 +172,24 @@ impl PyIndexConfig {
     }
 }
 
+/// A model version: a non-empty str (UTF-8) or bytes.
+fn version_bytes(v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let b = if let Ok(s) = v.cast::<pyo3::types::PyString>() {
+        s.to_str()?.as_bytes().to_vec()
+    } else if let Ok(b) = v.cast::<pyo3::types::PyBytes>() {
+        b.as_bytes().to_vec()
+    } else {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "model version must be str or bytes, got {}",
+            v.get_type().name()?
+        )));
+    };
+    if b.is_empty() {
+        return Err(PyValueError::new_err("model version must not be empty"));
+    }
+    Ok(b)
+}
+
 impl PyIndex {
     pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
         // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
@@ -251,6 +269,20 @@ impl PyIndex {
     #[getter]
     fn key_id(&self) -> String {
         self.lock().hasher().key_id()
+    }
+
+    /// The model version every key is derived under (a checkpoint revision the deployment vouches for). A new
+    /// version retires everything of the old one: evictable entries now, entries in use when their copies finish;
+    /// copies in flight never make an entry ready, and requests seen before serve and store nothing until
+    /// forgotten. Returns whether the version changed.
+    fn set_model_version(&self, version: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let v = version_bytes(version)?;
+        Ok(self.lock().set_model_version(&v))
+    }
+
+    #[getter]
+    fn model_version<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
+        pyo3::types::PyBytes::new(py, self.lock().model_version())
     }
 
     /// More host slots are usable now (a pin step of the lazily allocated host pool is ready).
@@ -459,6 +491,10 @@ impl PyIndex {
             ("states_evicted", ix.states().evicted()),
             ("errors", s.errors),
             ("prompt_mismatches", s.prompt_mismatches),
+            ("model_versions", s.model_versions),
+            ("pages_retired", ix.pages().retired()),
+            ("states_retired", ix.states().retired()),
+            ("stale_version_calls", s.stale_version_calls),
             ("page_slots", u64::from(ix.pages().capacity())),
             ("page_slots_usable", u64::from(ix.pages().usable())),
             ("pages_used", ix.pages().used() as u64),

@@ -9,7 +9,7 @@ use super::index::PyIndex;
 use super::{namespace_bytes, non_negative, to_py};
 use crate::index::Ready;
 use crate::l3;
-use crate::l3plan::{self, FetchPlan, HostLayout, Object, Planner, Probe, PutPlan};
+use crate::l3plan::{self, FetchPlan, HostLayout, Object, Planner, Probe, PutPlan, Transfer};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReady>()?;
@@ -19,6 +19,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFetchPlan>()?;
     m.add_class::<PyVerdict>()?;
     m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(part_digests, m)?)?;
+    m.add("DIGEST_PART_BYTES", l3::DIGEST_PART_BYTES)?;
     m.add("L3_FORMAT_VERSION", l3::FORMAT_VERSION)?;
     m.add("L3_HEADER_BYTES", l3::HEADER_BYTES)?;
     m.add("L3_WRONG_LENGTH", l3plan::WRONG_LENGTH)?;
@@ -34,6 +36,18 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[pyfunction]
 fn fingerprint(fields: std::collections::BTreeMap<String, String>) -> PyResult<String> {
     l3::fingerprint(&fields.into_iter().collect::<Vec<_>>()).map_err(to_py)
+}
+
+/// The BLAKE3 digests of each `DIGEST_PART_BYTES` part of a 1-D contiguous numpy uint8 array, concatenated;
+/// digested on several threads with the GIL released.
+#[pyfunction]
+fn part_digests<'py>(
+    py: Python<'py>,
+    data: numpy::PyReadonlyArray1<'py, u8>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let bytes = data.as_slice().map_err(|_| PyTypeError::new_err("part_digests needs a contiguous uint8 array"))?;
+    let parts = py.detach(|| l3::part_digests(bytes));
+    Ok(pyo3::types::PyBytes::new(py, &parts.concat()))
 }
 
 /// What a completed store made ready: the prompt's first `pages` pages and states at `state_pages` (pages).
@@ -65,14 +79,8 @@ impl PyReady {
 
 type Request = (Vec<String>, Vec<Vec<usize>>, Vec<Vec<usize>>);
 
-fn request(objects: &[Object]) -> Request {
-    let keys = objects.iter().map(|o| o.key.clone()).collect();
-    let ptrs = objects.iter().map(|o| o.pieces.iter().map(|p| p.0).collect()).collect();
-    let sizes = objects.iter().map(|o| o.pieces.iter().map(|p| p.1).collect()).collect();
-    (keys, ptrs, sizes)
-}
-
-/// A put: `request()` gives the keys, pointers and sizes for the Store; `L3Planner.finish` releases its hold.
+/// A put: `L3Planner.wire` gives the keys, pointers and sizes of each batch for the Store; `L3Planner.finish`
+/// releases its hold.
 #[pyclass(name = "PutPlan", module = "kvtier._core", frozen)]
 pub struct PyPutPlan {
     inner: Mutex<PutPlan>,
@@ -94,10 +102,6 @@ impl PyPutPlan {
     fn bytes(&self) -> usize {
         locked(&self.inner).objects.iter().map(Object::bytes).sum()
     }
-    /// `(keys, ptrs_per_key, sizes_per_key)`: each object's header, then its payload pieces.
-    fn request(&self) -> Request {
-        request(&locked(&self.inner).objects)
-    }
     fn __len__(&self) -> usize {
         locked(&self.inner).objects.len()
     }
@@ -117,8 +121,8 @@ impl PyProbe {
     }
 }
 
-/// A fetch into reserved slots: `request()` for the Store, `L3Planner.verify` on what it got, then
-/// `L3Planner.finish(plan, admit)`.
+/// A fetch into reserved slots: for each batch `L3Planner.wire` for the Store and `L3Planner.verify` on what it
+/// got, then `L3Planner.finish(plan, admit)`.
 #[pyclass(name = "FetchPlan", module = "kvtier._core", frozen)]
 pub struct PyFetchPlan {
     inner: FetchPlan,
@@ -148,9 +152,6 @@ impl PyFetchPlan {
     #[getter]
     fn bytes(&self) -> usize {
         self.inner.objects.iter().map(Object::bytes).sum()
-    }
-    fn request(&self) -> Request {
-        request(&self.inner.objects)
     }
     fn __len__(&self) -> usize {
         self.inner.objects.len()
@@ -188,7 +189,7 @@ impl PyL3Planner {
 impl PyL3Planner {
     #[new]
     #[pyo3(signature = (index, fingerprint, *, group_pages, page_base, page_bytes, state_base=0, state_bytes=0,
-        hash_key=None, seen_keys=1 << 20, header_slots=4096, scratch_pages=None))]
+        hash_key=None, seen_keys=1 << 20, header_slots=4096, scratch_pages=None, staging_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
@@ -202,6 +203,7 @@ impl PyL3Planner {
         seen_keys: i64,
         header_slots: i64,
         scratch_pages: Option<i64>,
+        staging_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let group_pages: usize = non_negative("group_pages", group_pages)?;
         let host = HostLayout {
@@ -222,6 +224,7 @@ impl PyL3Planner {
             non_negative("seen_keys", seen_keys)?,
             non_negative("header_slots", header_slots)?,
             scratch,
+            staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?,
         )
         .map_err(to_py)?;
         Ok(Self { index, inner: Mutex::new(planner), group_pages })
@@ -235,9 +238,38 @@ impl PyL3Planner {
     fn group_pages(&self) -> usize {
         self.group_pages
     }
-    /// `(address, bytes)` of the planner's own buffers (headers, scratch) that the Store must have registered.
+    /// `(address, bytes)` of the planner's buffers the Store must have registered: the staging buffers, or
+    /// zero-copy its header and scratch buffers (and then the host pools too).
     fn buffers(&self) -> Vec<(usize, usize)> {
-        self.lock().buffers().to_vec()
+        self.lock().buffers()
+    }
+    /// Whether objects move straight from and into the host pools (the Store then registers them).
+    #[getter]
+    fn zero_copy(&self) -> bool {
+        self.lock().zero_copy()
+    }
+    /// A new fingerprint (the model version changed); nothing is remembered as seen any more.
+    fn set_fingerprint(&self, fingerprint: &str) -> PyResult<()> {
+        self.lock().set_fingerprint(fingerprint).map_err(to_py)
+    }
+    /// The plan's objects in runs that one Store call moves: `(start, end)` indices.
+    fn batches(&self, plan: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, usize)>> {
+        let planner = self.lock();
+        with_objects(plan, |objects| planner.batches(objects))
+    }
+    /// `(keys, ptrs_per_key, sizes_per_key)` of objects `start..end` of a plan for the Store: a put's are copied
+    /// into the staging buffer first (GIL released); zero-copy, each object's header and payload pieces.
+    fn wire(&self, py: Python<'_>, plan: &Bound<'_, PyAny>, start: usize, end: usize) -> PyResult<Request> {
+        let dir = if plan.cast::<PyPutPlan>().is_ok() { Transfer::Put } else { Transfer::Get };
+        let planner = self.lock();
+        let (keys, wire) = with_objects(plan, |objects| -> PyResult<_> {
+            let batch = batch_of(objects, start, end)?;
+            let keys: Vec<String> = batch.iter().map(|o| o.key.clone()).collect();
+            Ok((keys, py.detach(|| planner.wire(batch, dir))))
+        })??;
+        let ptrs = wire.iter().map(|w| w.iter().map(|p| p.0).collect()).collect();
+        let sizes = wire.iter().map(|w| w.iter().map(|p| p.1).collect()).collect();
+        Ok((keys, ptrs, sizes))
     }
     /// The Store key of the group whose last page has this chain key.
     fn group_key(&self, last_page_key: u128) -> String {
@@ -269,7 +301,8 @@ impl PyL3Planner {
         Ok(planned.map_err(to_py)?.map(|p| PyPutPlan { inner: Mutex::new(p), finished: AtomicBool::new(false) }))
     }
 
-    /// Leaves out the objects the Store has (`present[i] == 1`); returns how many.
+    /// Leaves out the objects the Store has (`present[i] == 1`), without remembering them as seen; returns how
+    /// many.
     fn drop_present(&self, plan: &PyPutPlan, present: Vec<i64>) -> usize {
         self.lock().drop_present(&mut locked(&plan.inner), &present)
     }
@@ -288,17 +321,23 @@ impl PyL3Planner {
         Ok(plan.map(|inner| PyFetchPlan { inner, finished: AtomicBool::new(false) }))
     }
 
-    /// Checks what a fetch got (`got[i]`: bytes read or the Store's code for object i): lengths, headers and
-    /// digests, with the GIL released.
-    fn verify(&self, py: Python<'_>, plan: &PyFetchPlan, got: Vec<i64>) -> PyVerdict {
-        let format = self.lock().format().clone();
-        let v = py.detach(|| l3plan::verify(&format, &plan.inner, &got));
-        let key = |i: usize| plan.inner.objects[i].key.clone();
-        PyVerdict {
+    /// Checks what a get of objects `start..start + len(got)` of a fetch got (`got[i]`: bytes read or the Store's
+    /// code): each whole object is first copied out of the staging buffer, then its length, header and digest are
+    /// checked there, with the GIL released.
+    #[pyo3(signature = (plan, got, start=0))]
+    fn verify(&self, py: Python<'_>, plan: &PyFetchPlan, got: Vec<i64>, start: usize) -> PyResult<PyVerdict> {
+        let objects = batch_of(&plan.inner.objects, start, start + got.len())?;
+        let planner = self.lock();
+        let v = py.detach(|| {
+            planner.unstage(objects, &got);
+            l3plan::verify(planner.format(), objects, &got)
+        });
+        let key = |i: usize| objects[i].key.clone();
+        Ok(PyVerdict {
             admitted: v.admitted(),
             rejected: v.rejected.iter().map(|(i, why)| (key(*i), why.to_string())).collect(),
             lost: v.lost.iter().map(|&(i, code)| (key(i), code)).collect(),
-        }
+        })
     }
 
     /// Ends a plan's ticket once: a put's hold is released; a fetch's slots become ready (`admit`) or are
@@ -346,4 +385,24 @@ impl PyL3Planner {
         self.lock().unsee(&objects.iter().collect::<Vec<_>>());
         Ok(())
     }
+}
+
+/// Runs `f` on the objects of a put or fetch plan.
+fn with_objects<R>(plan: &Bound<'_, PyAny>, f: impl FnOnce(&[Object]) -> R) -> PyResult<R> {
+    if let Ok(p) = plan.cast::<PyPutPlan>() {
+        return Ok(f(&locked(&p.get().inner).objects));
+    }
+    if let Ok(p) = plan.cast::<PyFetchPlan>() {
+        return Ok(f(&p.get().inner.objects));
+    }
+    Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)))
+}
+
+fn batch_of(objects: &[Object], start: usize, end: usize) -> PyResult<&[Object]> {
+    objects.get(start..end).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "objects {start}..{end} are not a range of the plan's {}",
+            objects.len()
+        ))
+    })
 }

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 preallocate=True,
                 l3="mooncake",
                 l3_master=master,
+                hash_key=f"kvtier bench {run_id}",
                 l3_group_pages=G,
                 l3_deadline_ms=60_000,
                 fingerprint_fields={"bench": run_id},

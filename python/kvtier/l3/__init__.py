@@ -4,7 +4,6 @@ Nothing of mooncake is imported until a MooncakeStore is constructed.
 """
 
 from kvtier.l3.errors import L3Error, L3Timeout, L3Unavailable, WorkerFull
-from kvtier.l3.identity import Shard
 from kvtier.l3.server import LocalMooncake, MooncakeServerError, free_port, port_open
 from kvtier.l3.store import ERROR_NAMES, FAILURE_CODES, MooncakeStore, Store, StoreConfig, error_name
 from kvtier.l3.worker import Backoff, Breaker, Worker
@@ -20,7 +19,6 @@ __all__ = [
     "LocalMooncake",
     "MooncakeServerError",
     "MooncakeStore",
-    "Shard",
     "Store",
     "StoreConfig",
     "Worker",

@@ -150,7 +150,7 @@ def _shutdown_dropped(conn: _Connection, workers: tuple[Worker, Worker], keep: t
 class L3Tier:
     """Puts and gets of one cache's host pools through a Store; see the module docstring.
 
-    ``fingerprint_fields``: everything that decides the bytes behind a key (see ``kvtier.l3.identity``).
+    ``fingerprint_fields``: everything that decides the bytes behind a key (see ``kvtier.identity``).
     ``store_factory(config)`` builds the Store client (default ``MooncakeStore``); it runs on the get worker, so
     a missing master never delays the caller.
     """
@@ -168,9 +168,10 @@ class L3Tier:
         if settings.l3_master is None:
             raise ValueError("the L3 tier needs l3_master (host:port)")
         self.deadline_s = settings.l3_deadline_ms / 1e3
+        self._fields = dict(fingerprint_fields)
         self.planner = L3Planner(
             index,
-            fingerprint(dict(fingerprint_fields)),
+            fingerprint(self._fields),
             group_pages=settings.l3_group_pages,
             page_base=page_pool.base_ptr,
             page_bytes=page_pool.slot_bytes,
@@ -178,11 +179,13 @@ class L3Tier:
             state_bytes=state_pool.slot_bytes if state_pool is not None else 0,
             hash_key=settings.hash_key,
             seen_keys=settings.l3_seen_keys,
+            staging_bytes=None if settings.l3_zero_copy else settings.l3_staging_bytes,
         )
         self.config = StoreConfig(
             settings.l3_master,
             metadata_server=settings.l3_metadata_server,
             protocol=settings.l3_protocol,
+            local_hostname=settings.l3_local_hostname,
             global_segment_bytes=settings.l3_segment_bytes,
             local_buffer_bytes=settings.l3_buffer_bytes,
         )
@@ -215,6 +218,11 @@ class L3Tier:
         """The connected Store client, or None."""
         return self._conn.store
 
+    def set_model_version(self, version: str) -> None:
+        """Objects are named and checked under the new version's fingerprint from now on."""
+        self._fields["model_version"] = version
+        self.planner.set_fingerprint(fingerprint(self._fields))
+
     def group_key(self, last_page_key: int) -> str:
         return self.planner.group_key(last_page_key)
 
@@ -235,10 +243,10 @@ class L3Tier:
 
     def _connect(self) -> None:
         try:
-            self._conn.attach(
-                self._factory(self.config),
-                [(p.base_ptr, p.slots * p.slot_bytes) for p in self._pools] + self.planner.buffers(),
-            )
+            # Zero-copy, the Store moves objects straight from and into the host pools; staged, only the staging
+            # buffers are registered, so no peer of the Store can write memory the engine loads from.
+            pools = [(p.base_ptr, p.slots * p.slot_bytes) for p in self._pools] if self.planner.zero_copy else []
+            self._conn.attach(self._factory(self.config), pools + self.planner.buffers())
             with self._lock:
                 self._connect_backoff.reset()
             log.info("L3 tier connected to %s (fingerprint %s)", self.config.master_addr, self.fingerprint)
@@ -369,22 +377,22 @@ class L3Tier:
             except L3Error:
                 present = []
             self._count("puts_present", self.planner.drop_present(plan, present))
-            if len(plan) == 0:
-                return
-            keys, ptrs, sizes = plan.request()
-            self._count("puts_submitted", len(keys))
-            try:
-                codes = store.put_many(keys, ptrs, sizes)
-            except L3Timeout as e:
-                release = False
-                self._finish_later(e, plan)
-                raise
-            failed = [(k, code) for k, code in zip(keys, codes, strict=False) if code != 0]
-            self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes, strict=False) if code == 0))
+            self._count("puts_submitted", len(plan))
+            failed: list[tuple[str, int]] = []
+            for start, end in self.planner.batches(plan):
+                keys, ptrs, sizes = self.planner.wire(plan, start, end)
+                try:
+                    codes = store.put_many(keys, ptrs, sizes)
+                except L3Timeout as e:
+                    release = False
+                    self._finish_later(e, plan)
+                    raise
+                failed += [(k, code) for k, code in zip(keys, codes, strict=False) if code != 0]
+                self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes, strict=False) if code == 0))
             if failed:
                 self.planner.unsee(plan, [k for k, _ in failed])
                 self._count("puts_failed", len(failed))
-                log.info("L3 put: %d of %d objects not stored, first %s: %s", len(failed), len(keys), *failed[0])
+                log.info("L3 put: %d of %d objects not stored, first %s: %s", len(failed), len(plan), *failed[0])
         except BaseException:
             self.planner.unsee(plan, plan.keys)
             raise
@@ -405,31 +413,33 @@ class L3Tier:
             return
         release, admit = True, False
         try:
-            if len(plan) == 0:
-                admit = True
-                return
-            keys, ptrs, sizes = plan.request()
-            try:
-                got = self._timed("get_seconds", store.get_many, keys, ptrs, sizes)
-            except L3Timeout as e:
-                release = False
-                self._finish_later(e, plan)
-                raise
-            verdict = self.planner.verify(plan, got)
-            admit = verdict.admitted
-            if admit:
-                self._admitted(plan)
-                return
-            self.planner.unsee(plan, [k for k, _ in verdict.rejected] + [k for k, _ in verdict.lost])
-            self._count("gets_failed")
-            if verdict.rejected:
-                self._reject(store, verdict.rejected)
-            if verdict.lost:
-                k, code = verdict.lost[0]
-                log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(keys), k, code)
+            for start, end in self.planner.batches(plan):
+                keys, ptrs, sizes = self.planner.wire(plan, start, end)
+                try:
+                    got = self._timed("get_seconds", store.get_many, keys, ptrs, sizes)
+                except L3Timeout as e:
+                    release = False
+                    self._finish_later(e, plan)
+                    raise
+                verdict = self.planner.verify(plan, got, start)
+                if not verdict.admitted:
+                    self._refused(store, plan, verdict)
+                    return
+            admit = True
+            self._admitted(plan)
         finally:
             if release:
                 self.planner.finish(plan, admit)
+
+    def _refused(self, store: Store, plan: Any, verdict: Any) -> None:
+        """A batch of the fetch had objects that failed their check or were lost: none of the fetch is served."""
+        self.planner.unsee(plan, [k for k, _ in verdict.rejected] + [k for k, _ in verdict.lost])
+        self._count("gets_failed")
+        if verdict.rejected:
+            self._reject(store, verdict.rejected)
+        if verdict.lost:
+            k, code = verdict.lost[0]
+            log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(plan), k, code)
 
     def _admitted(self, plan: Any) -> None:
         with self._lock:
