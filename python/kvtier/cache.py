@@ -21,10 +21,14 @@ disables itself (``stats()["disabled"]``). A hit whose pages left the host pool 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
 import threading
+import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +41,19 @@ from kvtier.settings import CacheSettings, check_fits
 from kvtier.transfer import Transfers
 
 log = logging.getLogger("kvtier")
+
+# Caches alive in this process. A child made by fork() inherits them without their threads, copy streams or Store
+# connection: there each is closed and kept, never torn down (`_abandon`).
+_LIVE: weakref.WeakSet[HostPrefixCache] = weakref.WeakSet()
+_ABANDONED: list[HostPrefixCache] = []
+
+
+def _abandon_in_child() -> None:
+    for cache in list(_LIVE):
+        cache._abandon()
+
+
+os.register_at_fork(after_in_child=_abandon_in_child)
 
 T = TypeVar("T")
 StateFn = Callable[[Any, int, torch.Tensor], None]
@@ -288,6 +305,17 @@ class HostPrefixCache:
             )
         if s.preallocate:
             self._grow_all()
+        _LIVE.add(self)
+
+    def _abandon(self) -> None:
+        """In a child made by fork(): every call is a no-op and ``close()`` returns at once. The cache's memory,
+        streams and Store client belong to the parent: they are kept as they are (never freed, unregistered or
+        closed here)."""
+        self.closed = True
+        if self._l3 is not None:
+            self._l3.abandon()
+        _ABANDONED.append(self)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))  # no teardown, even at interpreter exit
 
     # Host memory
 
@@ -310,6 +338,14 @@ class HostPrefixCache:
         if self._grower is None:
             self._grower = threading.Thread(target=self._grow_all, name="kvtier-pin", daemon=True)
             self._grower.start()
+
+    def flush_l3(self, timeout_s: float) -> bool:
+        """Waits until the L3 tier is connected and the work submitted to it so far (write-behind puts, fetches)
+        has run, for tests, benchmarks and demos; returns whether it has (False without L3)."""
+        if self._l3 is None:
+            return False
+        end = time.monotonic() + timeout_s
+        return self._l3.wait_connected(timeout_s) and self._l3.flush(max(0.0, end - time.monotonic()))
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Waits until the host pools are fully pinned (for tests and benchmarks); returns whether they are."""

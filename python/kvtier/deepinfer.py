@@ -101,8 +101,6 @@ class Cache:
             staging_slots=staging_slots,
             **settings,
         )
-        # Prompts of requests seen by try_resume, so the store hashes the same ids.
-        self._prompts: dict[str, Any] = {}
 
     def try_resume(self, seq: Any, request_id: str, prompt_ids: Any) -> int:
         """Cached tokens b (the sequence's blocks and state were filled, ``seq.num_cached_tokens`` set), 0 for
@@ -111,7 +109,6 @@ class Cache:
             hit = self.cache.resume(request_id, prompt_ids, allocate=lambda: self._allocate(seq), state=seq)
             if hit > 0:
                 seq.num_cached_tokens = seq.cached_hit_tokens = hit
-            self._prompts[request_id] = prompt_ids
             return hit
         except Exception as e:  # noqa: BLE001 - no cache problem reaches the engine
             self.cache.report_error("try_resume", e)
@@ -138,13 +135,12 @@ class Cache:
             try:
                 if _field(seq, "chunked_rest_len") != 0:
                     continue
-                request_id = _field(seq, "request_id")
-                prompt = self._prompts.get(request_id) if isinstance(request_id, str) else None
-                if prompt is None:  # never went through try_resume: hash its own ids
-                    ids = _field(seq, "data.get_token_ids()")
-                    prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
-                table, seq_len = _field(seq, "block_table"), _field(seq, "get_len()")
-                self.cache.store(request_id, prompt, table, seq_len=seq_len, state=seq)
+                # The sequence's own prompt ids: the tokens whose KV its blocks hold, whatever its request id
+                # was used for before.
+                ids = _field(seq, "data.get_token_ids()")
+                prompt = ids[: len(ids) - len(getattr(seq, "output_ids", ()))]
+                request_id, table = _field(seq, "request_id"), _field(seq, "block_table")
+                self.cache.store(request_id, prompt, table, seq_len=_field(seq, "get_len()"), state=seq)
             except Exception as e:  # noqa: BLE001
                 self.cache.report_error("on_prefill_step", e)
 
@@ -163,8 +159,6 @@ class Cache:
             self._sync()  # a stored page must not read a block the engine rewrites
 
     def forget(self, request_id: str) -> None:
-        if isinstance(request_id, str):
-            self._prompts.pop(request_id, None)
         self._shielded("forget", self.cache.forget, request_id)
 
     def _shielded(self, where: str, fn: Any, *args: Any) -> bool:

@@ -8,6 +8,7 @@ them (an engine then contributes 0 bytes of its own).
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -241,6 +242,7 @@ class LocalMooncake:
             # all even when stop() is never called.
             self._children = []
             self._finalizer = weakref.finalize(self, _stop_all, self._children, self._log_dir, self.stop_timeout_s)
+            _STARTED.add(self)
             try:
                 self.master_port = free_port()
                 self.metrics_port = free_port()
@@ -318,6 +320,21 @@ class LocalMooncake:
             self._finalizer()
             self._finalizer = None
         self._log_dir = None
+
+
+# Servers started by this process. A child made by fork() does not own them: there they are left running, not
+# stopped (by stop() or at exit).
+_STARTED: weakref.WeakSet[LocalMooncake] = weakref.WeakSet()
+
+
+def _disown_in_child() -> None:
+    for server in list(_STARTED):
+        if server._finalizer is not None:
+            server._finalizer.detach()
+            server._finalizer = None
+
+
+os.register_at_fork(after_in_child=_disown_in_child)
 
 
 def _stop_all(procs: list[_Process], log_dir: Path, timeout_s: float) -> None:

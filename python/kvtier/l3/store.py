@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from kvtier._core import L3_WRONG_LENGTH
+from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
 from kvtier.l3.worker import Breaker, Worker
@@ -309,6 +310,7 @@ class MooncakeStore:
             raise L3Unavailable(f"Mooncake setup with master {cfg.master_addr} did not finish: {exc}") from exc
         if rc != 0:
             raise L3Unavailable(f"Mooncake setup with master {cfg.master_addr} returned {rc} ({error_name(rc)})", rc)
+        forked.client_made()
         log.info("L3 store connected to %s in %.3f s", cfg.master_addr, time.monotonic() - t0)
         return store, mooncake.ReplicateConfig()
 

@@ -482,6 +482,11 @@ class L3Tier:
         out["l3_breaker_open"] = bool(store is not None and store.breaker_open)
         return out
 
+    def abandon(self) -> None:
+        """In a child made by fork(): the Store client and the workers are the parent's; nothing of them is
+        stopped or closed here, not even at exit."""
+        self._finalizer.detach()
+
     def close(self, timeout_s: float = 8.0) -> bool:
         """Stops the workers, unregisters the buffers and closes the Store within ``timeout_s``. Returns False
         when a native call may still use the host pools (then they must not be freed; they are kept)."""
