@@ -253,20 +253,18 @@ impl PyL3Planner {
         self.lock().set_fingerprint(fingerprint).map_err(to_py)
     }
     /// The plan's objects in runs that one Store call moves: `(start, end)` indices.
-    fn batches(&self, plan: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, usize)>> {
-        let planner = self.lock();
-        with_objects(plan, |objects| planner.batches(objects))
+    fn batches(&self, py: Python<'_>, plan: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, usize)>> {
+        let objects = with_objects(plan, <[Object]>::to_vec)?;
+        // The planner's lock is only ever taken with the GIL released (a worker holds it without the GIL).
+        Ok(py.detach(|| self.lock().batches(&objects)))
     }
     /// `(keys, ptrs_per_key, sizes_per_key)` of objects `start..end` of a plan for the Store: a put's are copied
     /// into the staging buffer first (GIL released); zero-copy, each object's header and payload pieces.
     fn wire(&self, py: Python<'_>, plan: &Bound<'_, PyAny>, start: usize, end: usize) -> PyResult<Request> {
         let dir = if plan.cast::<PyPutPlan>().is_ok() { Transfer::Put } else { Transfer::Get };
-        let planner = self.lock();
-        let (keys, wire) = with_objects(plan, |objects| -> PyResult<_> {
-            let batch = batch_of(objects, start, end)?;
-            let keys: Vec<String> = batch.iter().map(|o| o.key.clone()).collect();
-            Ok((keys, py.detach(|| planner.wire(batch, dir))))
-        })??;
+        let batch = with_objects(plan, |objects| batch_of(objects, start, end).map(<[Object]>::to_vec))??;
+        let wire = py.detach(|| self.lock().wire(&batch, dir));
+        let keys = batch.iter().map(|o| o.key.clone()).collect();
         let ptrs = wire.iter().map(|w| w.iter().map(|p| p.0).collect()).collect();
         let sizes = wire.iter().map(|w| w.iter().map(|p| p.1).collect()).collect();
         Ok((keys, ptrs, sizes))
@@ -327,8 +325,8 @@ impl PyL3Planner {
     #[pyo3(signature = (plan, got, start=0))]
     fn verify(&self, py: Python<'_>, plan: &PyFetchPlan, got: Vec<i64>, start: usize) -> PyResult<PyVerdict> {
         let objects = batch_of(&plan.inner.objects, start, start + got.len())?;
-        let planner = self.lock();
         let v = py.detach(|| {
+            let planner = self.lock();
             planner.unstage(objects, &got);
             l3plan::verify(planner.format(), objects, &got)
         });

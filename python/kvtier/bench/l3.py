@@ -9,7 +9,9 @@ Starts a Mooncake master and holder on loopback (or uses ``--master``), then per
   side is ``batch_get_into`` of the raw objects into one registered buffer;
 - miss: a prompt that L3 has never seen: the tier's fetch (one ``batch_is_exist``) against a raw
   ``batch_is_exist`` of the same keys; plus the engine-loop time of the resume call that starts a fetch.
-Throughput is in GB/s (1e9 bytes/s), medians over the rounds. Run: ``kvtier bench l3 [--json]``.
+The tier moves objects through its registered staging buffers (the default) or, with ``--zero-copy``, straight from
+and into its registered host pools. Throughput is in GB/s (1e9 bytes/s), medians over the rounds. Run: ``kvtier
+bench l3 [--zero-copy] [--json]``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--groups", type=at_least(1), default=16, help="groups per batch (one prompt)")
     ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
     ap.add_argument("--segment-mib", type=at_least(1), default=1024, help="holder segment when starting a master")
+    ap.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="the tier registers its host pools and moves objects straight from and into them (l3_zero_copy); "
+        "default: through its staging buffers",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return ap.parse_args(argv)
 
@@ -79,6 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 l3="mooncake",
                 l3_master=master,
                 hash_key=f"kvtier bench {run_id}",
+                l3_zero_copy=args.zero_copy,
                 l3_group_pages=G,
                 l3_deadline_ms=60_000,
                 fingerprint_fields={"bench": run_id},
@@ -175,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores",
+        "zero_copy": args.zero_copy,
         "page_bytes": page,
         "group_pages": G,
         "groups_per_batch": n,
@@ -208,8 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     mib = 1 << 20
     print(
-        f"L3 tier vs raw Mooncake Store, {r['groups_per_batch']} objects of {r['group_pages']} x "
-        f"{r['page_bytes'] // 1024} KiB pages a batch ({r['batch_bytes'] / mib:.0f} MiB), median of {r['rounds']}"
+        f"L3 tier ({'zero-copy' if r['zero_copy'] else 'staged'}) vs raw Mooncake Store, {r['groups_per_batch']} "
+        f"objects of {r['group_pages']} x {r['page_bytes'] // 1024} KiB pages a batch ({r['batch_bytes'] / mib:.0f} "
+        f"MiB), median of {r['rounds']}"
     )
     print(f"{'':<28} {'tier':>10} {'raw':>10} {'tier/raw':>9}")
     print(f"{'put (GB/s)':<28} {r['put_tier_gbps']:>10.3f} {r['put_raw_gbps']:>10.3f} {r['put_tier_vs_raw']:>9.2f}")
