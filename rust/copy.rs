@@ -113,7 +113,9 @@ impl Default for CopyOptions {
     }
 }
 
-/// Copies pages between one GPU pool and one host pool.
+/// Copies pages between one GPU pool and one host pool. A clone copies between the same memory (the owner of the
+/// GPU pool keeps it alive for every clone, as `new` requires).
+#[derive(Clone)]
 pub struct PageCopier {
     pool: GpuPool,
     host: Arc<HostPool>,
@@ -217,8 +219,20 @@ impl PageCopier {
         stream: u64,
         layers: Range<usize>,
     ) -> Result<Used> {
-        let mem = self.host.access()?;
         self.validate(dir, gpu_ids, host_slots)?;
+        self.launch(dir, gpu_ids, host_slots, stream, layers)
+    }
+
+    /// `copy` of ids `validate` accepted.
+    pub(crate) fn launch(
+        &self,
+        dir: Direction,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: Range<usize>,
+    ) -> Result<Used> {
+        let mem = self.host.access()?;
         let n_layers = self.pool.layers.len();
         if layers.start >= layers.end || layers.end > n_layers {
             return Err(invalid(format!(
@@ -339,7 +353,9 @@ impl PageCopier {
         pieces
     }
 
-    fn validate(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) -> Result<()> {
+    /// Checks a batch before anything is copied: equal lengths, every id inside its pool (host slots below the
+    /// usable ones), no destination named twice.
+    pub fn validate(&self, dir: Direction, gpu_ids: &[i32], host_slots: &[i32]) -> Result<()> {
         if gpu_ids.len() != host_slots.len() {
             return Err(invalid(format!(
                 "gpu_ids and host_slots differ in length: {} and {}",

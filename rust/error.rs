@@ -25,6 +25,9 @@ pub enum Error {
     /// A copy could not be launched or failed (CUDA error string or OS error).
     #[error("{0}")]
     Copy(String),
+    /// An engine callback failed during a call (the binding raises the callback's own exception).
+    #[error("an engine callback failed: {0}")]
+    Hook(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

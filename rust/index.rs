@@ -129,6 +129,8 @@ struct Request {
     counted: bool,
     /// The model version the request was first seen under.
     epoch: u64,
+    /// What its last lookup answered (an L3 fetch starts from it).
+    looked: Lookup,
 }
 
 #[derive(Debug)]
@@ -200,6 +202,45 @@ impl Index {
     pub fn stats(&self) -> &Stats {
         &self.stats
     }
+    /// Every counter and gauge of the index by its name in the statistics table (rust/stats.rs).
+    pub fn stat_values(&self) -> Vec<(&'static str, u64)> {
+        let s = &self.stats;
+        let (p, st) = (&self.pages, &self.states);
+        vec![
+            ("lookups", s.lookups),
+            ("hits", s.hits),
+            ("hit_tokens", s.hit_tokens),
+            ("lookup_tokens", s.lookup_tokens),
+            ("deferred", s.deferred),
+            ("stores", s.stores),
+            ("store_skipped", s.store_skipped),
+            ("store_skipped_pinning", s.store_skipped_pinning),
+            ("stale_lookups", s.stale_lookups),
+            ("pages_stored", s.pages_stored),
+            ("pages_loaded", s.pages_loaded),
+            ("pages_evicted", p.evicted()),
+            ("states_stored", s.states_stored),
+            ("states_loaded", s.states_loaded),
+            ("states_evicted", st.evicted()),
+            ("errors", s.errors),
+            ("prompt_mismatches", s.prompt_mismatches),
+            ("model_versions", s.model_versions),
+            ("pages_retired", p.retired()),
+            ("states_retired", st.retired()),
+            ("stale_version_calls", s.stale_version_calls),
+            ("page_slots", u64::from(p.capacity())),
+            ("page_slots_usable", u64::from(p.usable())),
+            ("pages_used", p.used() as u64),
+            ("pages_evictable", p.evictable() as u64),
+            ("state_slots", u64::from(st.capacity())),
+            ("state_slots_usable", u64::from(st.usable())),
+            ("states_used", st.used() as u64),
+            ("states_evictable", st.evictable() as u64),
+            ("in_flight", self.tickets.len() as u64),
+            ("requests", self.requests.len() as u64),
+        ]
+    }
+
     pub fn in_flight(&self) -> usize {
         self.tickets.len()
     }
@@ -209,6 +250,11 @@ impl Index {
 
     fn has_states(&self) -> bool {
         self.cfg.state_slots > 0
+    }
+
+    /// Whether the host pools are still being pinned (some of their slots are not usable yet).
+    pub fn pinning(&self) -> bool {
+        self.pages.usable() < self.pages.capacity() || self.states.usable() < self.states.capacity()
     }
 
     /// More host slots became usable (a pin step of a lazily allocated pool).
@@ -260,6 +306,11 @@ impl Index {
         self.requests.get(request_id).map_or(0, |r| r.chain.hashed_tokens())
     }
 
+    /// What the request's last lookup answered (None for an unknown request).
+    pub fn last_lookup(&self, request_id: &str) -> Option<&Lookup> {
+        self.requests.get(request_id).map(|r| &r.looked)
+    }
+
     /// The chain keys of a request hashed so far.
     pub fn keys(&self, request_id: &str) -> Result<&[Key]> {
         self.request(request_id).map(|r| r.chain.keys())
@@ -284,11 +335,14 @@ impl Index {
             self.stats.lookups += 1;
             self.stats.lookup_tokens += tokens.len() as u64;
         }
-        if self.stale_version(request_id) {
+        let look = if self.stale_version(request_id) {
             self.stats.stale_version_calls += 1;
-            return Ok(Lookup::default());
-        }
-        Ok(self.probe(self.requests[request_id].chain.keys(), tokens.len()))
+            Lookup::default()
+        } else {
+            self.probe(self.requests[request_id].chain.keys(), tokens.len())
+        };
+        self.requests.get_mut(request_id).expect("chained above").looked = look.clone();
+        Ok(look)
     }
 
     /// Compares every token the request hashed with `tokens` (before a hit is loaded into the engine's blocks):
@@ -342,14 +396,13 @@ impl Index {
             )));
         }
         let n = hit_tokens / bs;
-        let stale = || Error::Stale(request_id.to_owned());
-        if self.stale_version(request_id) {
-            return Err(stale());
-        }
-        let page_slots: Vec<u32> =
-            keys[..n].iter().map(|&k| self.pages.ready_slot(k)).collect::<Option<_>>().ok_or_else(stale)?;
-        let state_slot =
-            if self.has_states() { Some(self.states.ready_slot(keys[n - 1]).ok_or_else(stale)?) } else { None };
+        let page_slots: Option<Vec<u32>> = keys[..n].iter().map(|&k| self.pages.ready_slot(k)).collect();
+        let state_slot = if self.has_states() { self.states.ready_slot(keys[n - 1]).map(Some) } else { Some(None) };
+        let (Some(page_slots), Some(state_slot), false) = (page_slots, state_slot, self.stale_version(request_id))
+        else {
+            self.stats.stale_lookups += 1;
+            return Err(Error::Stale(request_id.to_owned()));
+        };
         for &s in &page_slots {
             self.pages.acquire(s)?;
         }
@@ -474,6 +527,7 @@ impl Index {
             self.stats.stores += 1;
         } else if pages_wanted || states_wanted {
             self.stats.store_skipped += 1;
+            self.stats.store_skipped_pinning += u64::from(self.pinning());
         }
         let lead = pages.iter().enumerate().take_while(|&(j, p)| p.0 == j).count();
         let ticket = self.issue(Ticket {
@@ -549,15 +603,11 @@ impl Index {
     }
 
     /// The copies of a ticket finished: stored entries become ready; every reference of the ticket is dropped,
-    /// deepest page first, so that a prompt's first pages are the most recently used.
-    pub fn complete(&mut self, ticket: u64) -> Result<()> {
-        self.finish(ticket).map(drop)
-    }
-
-    /// `complete`, reporting what a store made ready (None for other tickets, or a store that made nothing
-    /// new ready): the chain keys of the prompt's pages 0.. that the ticket covered, and its new states'
-    /// boundaries in pages. This is what the L3 write-behind puts.
-    pub fn finish(&mut self, ticket: u64) -> Result<Option<Ready>> {
+    /// deepest page first, so that a prompt's first pages are the most recently used. Reports what a store made
+    /// ready (None for other tickets, or a store that made nothing new ready): the chain keys of the prompt's
+    /// pages 0.. that the ticket covered, and its new states' boundaries in pages. This is what the L3
+    /// write-behind puts.
+    pub fn complete(&mut self, ticket: u64) -> Result<Option<Ready>> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
         if t.epoch != self.epoch {
             // Issued under an earlier model version: what it copied belongs to the old weights.
@@ -840,6 +890,14 @@ mod tests {
     }
 
     #[test]
+    fn every_index_statistic_is_in_the_table() {
+        let names: Vec<&str> = crate::stats::TABLE.iter().map(|s| s.name).collect();
+        for (name, _) in index(4, 1).stat_values() {
+            assert!(names.contains(&name), "{name} is not in rust/stats.rs TABLE");
+        }
+    }
+
+    #[test]
     fn huge_pools_cost_nothing_until_used() {
         let mut ix = with(config(2_000_000_000, 2_000_000_000, 4));
         stored(&mut ix, "a", &ids(0..16));
@@ -1020,7 +1078,7 @@ mod fuzz {
                     }
                     Op::Finish { pick, ok } if !tickets.is_empty() => {
                         let t = tickets.swap_remove(usize::from(pick) % tickets.len());
-                        if ok { ix.complete(t).unwrap() } else { ix.abort(t).unwrap() }
+                        if ok { ix.complete(t).map(drop).unwrap() } else { ix.abort(t).unwrap() }
                         prop_assert!(ix.complete(t).is_err(), "a ticket finishes once");
                     }
                     Op::Hold { prompt } => {

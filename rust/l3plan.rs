@@ -21,6 +21,12 @@ const STATE_ID: Key = 0x5354_4154_4500_0000_0000_0000_0000_0001;
 /// A Store code that says the object's value has another length (kvtier's own, below Mooncake's codes).
 pub const WRONG_LENGTH: i64 = -1100;
 
+/// Whether an L3 fetch of groups of `group_pages` could add whole groups between the host's ready run and the
+/// lookup's cap (pages).
+pub fn wants_fetch(group_pages: usize, ready_pages: usize, limit_pages: usize) -> bool {
+    limit_pages / group_pages > ready_pages / group_pages
+}
+
 /// Where the host pools live. The addresses stay valid while the planner lives (the owner guarantees it).
 #[derive(Clone, Copy, Debug)]
 pub struct HostLayout {
@@ -352,11 +358,6 @@ impl Planner {
         self.host.state_base + slot as usize * self.host.state_bytes
     }
 
-    /// Whether a fetch could add whole groups between the host's ready run and the lookup's cap (pages).
-    pub fn wants_fetch(&self, ready_pages: usize, limit_pages: usize) -> bool {
-        limit_pages / self.group_pages > ready_pages / self.group_pages
-    }
-
     /// Plans the put of what a store made ready: new whole groups and group-end states, held on the host.
     /// None when there is nothing new to put.
     pub fn plan_put(&mut self, ix: &mut Index, ready: &Ready) -> Result<Option<PutPlan>> {
@@ -445,11 +446,14 @@ impl Planner {
         }
     }
 
-    /// The first step of a fetch: the keys to ask the Store about. None when there is nothing to ask (the
-    /// request is unknown, e.g. forgotten meanwhile, or no whole group lies beyond the host's ready run).
-    pub fn probe(&self, ix: &Index, request_id: &str, ready_pages: usize, limit_pages: usize) -> Option<Probe> {
+    /// The first step of a fetch: the keys to ask the Store about, beyond the ready run and within the cap of the
+    /// request's last lookup. None when there is nothing to ask (the request is unknown, e.g. forgotten
+    /// meanwhile, or no whole group lies beyond the host's ready run).
+    pub fn probe(&self, ix: &Index, request_id: &str) -> Option<Probe> {
         let g = self.group_pages;
         let chain = ix.keys(request_id).ok()?;
+        let look = ix.last_lookup(request_id)?;
+        let (ready_pages, limit_pages) = (look.ready_pages, look.limit_pages);
         let (g0, g1) = (ready_pages / g, limit_pages.min(chain.len()) / g);
         if g1 <= g0 {
             return None;
@@ -704,7 +708,7 @@ mod tests {
         for &s in &plan.state_slots {
             host.states[s as usize * 16..(s as usize + 1) * 16].fill(0xee);
         }
-        let ready = ix.finish(plan.ticket).unwrap().unwrap();
+        let ready = ix.complete(plan.ticket).unwrap().unwrap();
         assert_eq!(ready.page_keys.len(), 8);
         assert_eq!(ready.state_pages, vec![8, 7, 6, 5, 4, 3, 2, 1][..4].to_vec());
         let put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
@@ -718,8 +722,8 @@ mod tests {
 
         // A second cache over the same planner format reads them back.
         let (mut ix2, host2, mut p2) = setup_wire(2, 16, 4, staging);
-        let look = ix2.lookup("b", b"", &tokens).unwrap();
-        let probe = p2.probe(&ix2, "b", look.ready_pages, look.limit_pages).unwrap();
+        ix2.lookup("b", b"", &tokens).unwrap();
+        let probe = p2.probe(&ix2, "b").unwrap();
         let codes: Vec<i64> = probe.exists_keys.iter().map(|k| i64::from(store.contains_key(k))).collect();
         let fetch = p2.plan_fetch(&mut ix2, &probe, &codes).unwrap().unwrap();
         assert_eq!((fetch.pages, fetch.states), (8, 1));
@@ -734,8 +738,8 @@ mod tests {
         store.get_mut(&first).unwrap()[HEADER_BYTES + 3] ^= 1;
         let last = fetch.objects[3].key.clone();
         store.get_mut(&last).unwrap().pop();
-        let look = ix3.lookup("c", b"", &tokens).unwrap();
-        let probe = p3.probe(&ix3, "c", look.ready_pages, look.limit_pages).unwrap();
+        ix3.lookup("c", b"", &tokens).unwrap();
+        let probe = p3.probe(&ix3, "c").unwrap();
         let codes: Vec<i64> = probe.exists_keys.iter().map(|k| i64::from(store.contains_key(k))).collect();
         let fetch = p3.plan_fetch(&mut ix3, &probe, &codes).unwrap().unwrap();
         let (_, v) = get_all(&p3, &fetch, &store);
@@ -758,15 +762,15 @@ mod tests {
         for &s in &plan.page_slots {
             host.pages[s as usize * 32..(s as usize + 1) * 32].fill(7);
         }
-        let ready = ix.finish(plan.ticket).unwrap().unwrap();
+        let ready = ix.complete(plan.ticket).unwrap().unwrap();
         let put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
         seal(p.format(), &put);
         let store = put_all(&p, &put);
         ix.complete(put.ticket).unwrap();
 
         let (mut ix2, host2, mut p2) = setup_wire(2, 16, 0, staging);
-        let look = ix2.lookup("b", b"", &tokens).unwrap();
-        let probe = p2.probe(&ix2, "b", look.ready_pages, look.limit_pages).unwrap();
+        ix2.lookup("b", b"", &tokens).unwrap();
+        let probe = p2.probe(&ix2, "b").unwrap();
         let fetch = p2.plan_fetch(&mut ix2, &probe, &[1, 1]).unwrap().unwrap();
         let wire = p2.wire(&fetch.objects, Transfer::Get);
         let got: Vec<i64> = fetch
@@ -803,7 +807,7 @@ mod tests {
         let (mut ix, _host, mut p) = setup(2, 16, 0);
         let tokens: Vec<i32> = (0..17).collect();
         let plan = ix.plan_store("a", b"", &tokens, 17).unwrap();
-        let ready = ix.finish(plan.ticket).unwrap().unwrap();
+        let ready = ix.complete(plan.ticket).unwrap().unwrap();
         let mut put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
         assert_eq!(p.drop_present(&mut put, &[1, 1]), 2);
         ix.complete(put.ticket).unwrap();
@@ -822,11 +826,11 @@ mod tests {
         // Pages 0..3 are being filled by the first store: the second one holds none of them, so it names none.
         let second = ix.plan_store("b", b"", &tokens, 25).unwrap();
         assert_eq!(second.page_indices, vec![3, 4, 5]);
-        assert_eq!(ix.finish(second.ticket).unwrap(), Some(Ready { page_keys: vec![], state_pages: vec![] }));
-        let ready = ix.finish(first.ticket).unwrap().unwrap();
+        assert_eq!(ix.complete(second.ticket).unwrap(), Some(Ready { page_keys: vec![], state_pages: vec![] }));
+        let ready = ix.complete(first.ticket).unwrap().unwrap();
         assert_eq!(ready.page_keys, ix.keys("a").unwrap()[..3].to_vec());
         let again = ix.plan_store("c", b"", &tokens[..13], 13).unwrap();
-        assert_eq!(ix.finish(again.ticket).unwrap(), None, "nothing new became ready");
+        assert_eq!(ix.complete(again.ticket).unwrap(), None, "nothing new became ready");
         ix.check().unwrap();
     }
 
@@ -839,7 +843,7 @@ mod tests {
         let keys = ix.keys("a").unwrap().to_vec();
         let f = ix.plan_fetch(&keys[..1], &[]).unwrap().unwrap();
         ix.complete(f.ticket).unwrap();
-        let probe = p.probe(&ix, "a", 0, 8).unwrap();
+        let probe = p.probe(&ix, "a").unwrap();
         assert_eq!(probe.exists_keys.len(), 4 + 4, "4 groups, 4 end states");
         // Groups 0..3 exist; states only at the end of group 1 (page 4).
         let codes = [1, 1, 1, 0, 0, 1, 0, 0];
@@ -849,6 +853,6 @@ mod tests {
         assert_eq!(plan.objects[0].pieces[1].0, p.scratch.addr());
         ix.abort(plan.ticket).unwrap();
         ix.check().unwrap();
-        assert!(p.probe(&ix, "unknown", 0, 8).is_none());
+        assert!(p.probe(&ix, "unknown").is_none());
     }
 }

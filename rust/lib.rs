@@ -1,13 +1,16 @@
 //! kvtier's core: the index bookkeeping of a tiered KV-cache (hash chains, host page and state pools, lookup /
 //! store planning, L3 keys) and the page copies between a GPU pool and pinned host memory.
+pub mod cache;
 pub mod chain;
 pub mod copy;
 pub mod cuda;
 pub mod error;
+pub mod executor;
 pub mod hostmem;
 pub mod index;
 pub mod l3;
 pub mod l3plan;
+pub mod order;
 pub mod pool;
 pub mod stats;
 

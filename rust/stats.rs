@@ -15,6 +15,10 @@ pub struct Stats {
     pub stores: u64,
     /// Store plans that had something to store but found no slot for it.
     pub store_skipped: u64,
+    /// Of those, the ones made while the host pools were still being pinned.
+    pub store_skipped_pinning: u64,
+    /// Hits whose pages or state left the host pool between the lookup and the load (served as misses).
+    pub stale_lookups: u64,
     pub pages_stored: u64,
     pub pages_loaded: u64,
     pub states_stored: u64,

@@ -458,17 +458,6 @@ def test_lookup_keeps_nothing():
     assert after["requests"] == before["requests"] and after["lookups"] == before["lookups"]
 
 
-def test_old_resume_form_warns_and_still_works():
-    e = engine()
-    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="4MiB", preallocate=True)
-    c.store("a", list(range(64)), [0, 1, 2, 3])
-    c.poll()
-    with pytest.warns(DeprecationWarning, match="allocate"):
-        assert c.resume("b", list(range(64)), allocate=lambda: False, block_table=lambda: [4, 5, 6]) == -1
-    with pytest.warns(DeprecationWarning, match="allocate"):
-        assert c.resume("b", list(range(64)), allocate=lambda: True, block_table=lambda: [4, 5, 6]) == 48
-
-
 def test_l3_settings_that_cannot_fit_are_refused_before_anything_starts():
     e = engine()
     big = 2 * (machine_memory() or 1 << 40)

@@ -47,8 +47,7 @@ class SlowCopies(Cache):
         super().__init__(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, **kw)
         e.cache = self
         self.sleep_cycles = sleep_cycles
-        t = self.cache.transfers
-        self._streams = [torch.cuda.ExternalStream(h) for h in (t.h2d_stream, t.d2h_stream) if h]
+        self._streams = [torch.cuda.ExternalStream(h) for h in self.cache.core.streams if h]
 
     def _hold(self) -> None:
         for s in self._streams:
@@ -94,7 +93,7 @@ def test_outputs_identical_with_held_back_copies(layout: str, streams: bool, met
     assert WORK.run(e) == off
     s = cache.stats_dict()
     assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0, s
-    assert cache.cache.transfers.num_layers == e.page_layers > 1  # both layouts load a layer at a time
+    assert cache.cache.core.num_layers == e.page_layers > 1  # both layouts load a layer at a time
     cache.close()
     cache.cache.index.check()
 
@@ -211,8 +210,7 @@ def test_store_does_not_hold_the_engine_stream_and_release_orders_reuse() -> Non
     """The engine's stream is free while a store's copy is held back; release() makes it wait (GPU-side)."""
     e = engine("page-first", device="cuda", layer_pattern="F", num_gpu_blocks=64)
     cache = Cache(e, size_bytes=8 << 20, preallocate=True)
-    xfer = cache.cache.transfers
-    d2h = torch.cuda.ExternalStream(xfer.d2h_stream)
+    d2h = torch.cuda.ExternalStream(cache.cache.core.streams[0])
     prompt = list(range(1, 97))
     blocks = list(range(10, 16))
     with torch.cuda.stream(d2h):
@@ -237,8 +235,8 @@ def test_cpu_path_same_api() -> None:
     e.cache = cache
     off = WORK.run(engine("layer-first"))
     assert WORK.run(e) == off
-    xfer = cache.cache.transfers
-    assert not xfer.copy_streams and not xfer.layerwise_loads and xfer.d2h_stream == xfer.h2d_stream == 0
+    core = cache.cache.core
+    assert not core.copy_streams and not core.layerwise_loads and core.streams == (0, 0)
     cache.wait_layer(0)
     cache.release([1, 2])
     with pytest.raises(ValueError, match="block id 36 is outside the GPU pool of 36 blocks"):

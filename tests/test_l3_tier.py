@@ -76,7 +76,7 @@ def page_hashes(cache: HostPrefixCache, prompts: dict[str, list[int]]) -> dict[s
     """sha256 of every host page of these prompts, by chain key (hex)."""
     from kvtier.copy import host_array
 
-    rows = host_array(cache._host_pages)
+    rows = host_array(cache.host_pools[0])
     out = {}
     for rid, prompt in prompts.items():
         keys = cache.index.chain(f"hash-{rid}", np.asarray(prompt, np.int32))

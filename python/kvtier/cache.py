@@ -1,15 +1,13 @@
 """The host prefix cache: the object a serving engine drives.
 
 It keeps KV pages (and per-sequence states) in host memory after the GPU pool dropped them and copies them back
-on a later prompt with the same prefix. Bookkeeping is the Rust ``Index``; bytes move through ``PageCopier`` on
-kvtier's own copy streams, ordered with the engine's stream by CUDA events (``kvtier.transfer``; or on the engine's
-stream with ``copy_streams=False``; memcpy when the pools are CPU tensors), and completion is tracked with events
-that ``poll()`` retires without blocking. Engines that rewrite blocks call ``release(blocks)`` or ``forget`` first,
-and with ``layerwise_loads`` call ``wait_layer(l)`` before layer l reads its KV.
-
-Engine-loop calls never wait for the GPU or for pinning memory: the host pools are reserved at the first store
-and pinned in pin steps on a background thread; stores use the slots pinned so far (a store that finds none is
-skipped, logged once at INFO and counted in ``stats()["store_skipped_pinning"]``).
+on a later prompt with the same prefix. Each engine call is one call into the Rust core (``kvtier._core.Cache``,
+rust/cache.rs): the index plans (``kvtier.Index``), the executor copies on kvtier's own copy streams, ordered with
+the engine's stream by CUDA events (or on the engine's stream with ``copy_streams=False``; memcpy when the pools are
+CPU tensors), and completion is tracked with events that ``poll()`` retires without blocking. Engines that rewrite
+blocks call ``release(blocks)`` or ``forget`` first, and with ``layerwise_loads`` call ``wait_layer(l)`` before
+layer l reads its KV. The host pools are pinned off the engine loop (``kvtier.hostmem``); the L3 tier is
+``kvtier.l3.tier``.
 
 Failure policy (docs/INTEGRATION.md): a caller's bad argument raises to the caller (``OverflowError``,
 ``TypeError``, ``ValueError``, checked before anything is planned or copied) and counts nothing. Any other
@@ -27,7 +25,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -35,10 +32,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtier import Index, IndexConfig, StaleLookupError
+from kvtier import Index, IndexConfig
+from kvtier._core import Cache as CoreCache
 from kvtier.copy import HostPool, PageCopier, is_int, layer_views
+from kvtier.hostmem import HostMemory
 from kvtier.settings import CacheSettings, check_fits
-from kvtier.transfer import Transfers
 
 log = logging.getLogger("kvtier")
 
@@ -60,16 +58,6 @@ StateFn = Callable[[Any, int, torch.Tensor], None]
 BlockTable = Sequence[int] | np.ndarray | torch.Tensor
 # What a caller's bad argument raises: re-raised to the caller, never counted towards max_errors.
 CALLER_ERRORS = (OverflowError, TypeError, ValueError)
-SEQ_LEN_LIMIT = 2**63
-
-
-def _old_allocate(allocate: Callable[[], Any], block_table: Callable[[], BlockTable]) -> Callable[[], Any]:
-    """The deprecated resume form (``allocate() -> bool`` and a ``block_table()`` callable) as the new one."""
-
-    def new() -> Any:
-        return block_table() if allocate() else None
-
-    return new
 
 
 def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -94,43 +82,6 @@ def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return wrap
 
 
-def block_ids(table: Any, needed: int, num_blocks: int, what: str = "block_table") -> np.ndarray:
-    """The first ``needed`` GPU block ids of ``table`` as int32, checked as integers in ``[0, num_blocks)`` before
-    any conversion: no wrap of wide integers, no truncated floats, no bools, no numeric strings. A numpy or torch
-    integer array of any width, or a sequence of ints; ids past ``needed`` are only type-checked."""
-    if isinstance(table, torch.Tensor):
-        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
-            raise TypeError(f"{what} must hold integers, got a tensor of {table.dtype}")
-        if table.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"{what} must be a CPU or CUDA tensor, got a tensor on {table.device}")
-        table = table.detach().cpu().numpy()
-    if isinstance(table, np.ndarray):
-        if table.dtype.kind not in "iu":
-            raise TypeError(f"{what} must hold integers, got dtype {table.dtype}")
-        if table.ndim != 1:
-            raise ValueError(f"{what} must be 1-D, got shape {table.shape}")
-        head: Any = table[:needed]
-    elif isinstance(table, (str, bytes)) or not isinstance(table, Sequence):
-        raise TypeError(f"{what} must be a sequence of ints or an integer array, got {type(table).__name__}")
-    else:
-        if set(map(type, table)) != {int}:  # the common case (plain ints) is one quick pass
-            for i, b in enumerate(table):
-                if not is_int(b):
-                    raise TypeError(f"{what}[{i}] must be an int, got {type(b).__name__} {b!r}")
-        head = table[:needed]
-    if len(head) < needed:
-        raise ValueError(f"{what} has {len(table)} blocks, {needed} are needed")
-    if not isinstance(head, np.ndarray):
-        try:
-            head = np.asarray(head, dtype=np.int64)
-        except OverflowError:
-            head = [b for b in head if not 0 <= b < num_blocks][:1]  # an int beyond int64: name it below
-    bad = head[(head < 0) | (head >= num_blocks)] if isinstance(head, np.ndarray) else head
-    if len(bad):
-        raise ValueError(f"block id {int(bad[0])} is outside the GPU pool of {num_blocks} blocks")
-    return head.astype(np.int32)
-
-
 def _check_call(request_id: Any, namespace: Any) -> None:
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
@@ -138,14 +89,11 @@ def _check_call(request_id: Any, namespace: Any) -> None:
         raise TypeError(f"namespace must be str, bytes or None, got {type(namespace).__name__}")
 
 
-def _seq_len(seq_len: Any) -> int | None:
-    if seq_len is None:
-        return None
-    if not is_int(seq_len):
-        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__} {seq_len!r}")
-    if not 0 <= int(seq_len) < SEQ_LEN_LIMIT:
-        raise ValueError(f"seq_len must be in [0, 2**63), got {int(seq_len)}")
-    return int(seq_len)
+def _host_ids(table: Any) -> Any:
+    """A CUDA tensor of block ids as a CPU one (the core reads ids from host memory); anything else as it is."""
+    if isinstance(table, torch.Tensor) and table.device.type == "cuda":
+        return table.cpu()
+    return table
 
 
 class HostPrefixCache:
@@ -244,29 +192,40 @@ class HostPrefixCache:
         self.disabled = False
         self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
         self.errors = 0
-        self._counts = {"store_skipped_pinning": 0, "stale_lookups": 0, "bad_arguments": 0}
+        self._bad_arguments = 0
         self._told_pinning = False
         self._lock = threading.Lock()
-        # The host pools are address space only until they grow (at the first store, or now with preallocate);
-        # building the copiers here checks the GPU pool (dtype, shapes, alignment) before anything is stored.
-        self._host_pages = HostPool(self.page_slots, self.page_bytes, step_bytes=s.pin_step_bytes)
-        self._copy_pages = self._copier(pages, s)
-        self._host_states: HostPool | None = None
-        self._copy_states: PageCopier | None = None
-        self._staging: torch.Tensor | None = None
-        if state_slots:
-            self._host_states = HostPool(state_slots, self.state_bytes, step_bytes=s.pin_step_bytes)
-            self._staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
-            self._copy_states = PageCopier(self._staging, self._host_states)
-        # The copy streams and their ordering with the engine's stream (kvtier.transfer).
-        self.transfers = Transfers(
-            self._copy_pages,
-            layers=self._copier(parts, s) if parts is not None and len(parts) > 1 else None,
+        # The host pools are address space only until they grow (at the first store, or now with preallocate).
+        self._host = HostMemory(
+            self.index,
+            page_slots=self.page_slots,
+            page_bytes=self.page_bytes,
+            state_slots=state_slots,
+            state_bytes=self.state_bytes,
+            step_bytes=s.pin_step_bytes,
+            on_error=self._error,
+        )
+        # Building the copiers checks the GPU pool (dtype, shapes, alignment, writable memory) before anything is
+        # stored; the copiers keep its tensors alive for as long as the core copies between them.
+        self._copiers = [self._copier(pages)]
+        if parts is not None and len(parts) > 1:
+            self._copiers.append(self._copier(parts))
+        state_copier = staging = None
+        if self._host.states is not None:
+            staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
+            state_copier = PageCopier(staging, self._host.states)
+        self._core = CoreCache(
+            self.index,
+            self._copiers[0].core,
+            parts=self._copiers[1].core if len(self._copiers) > 1 else None,
+            states=state_copier.core if state_copier is not None else None,
             copy_streams=s.copy_streams,
             layerwise_loads=s.layerwise_loads,
+            select_state=select_state,
+            load_state=load_state,
+            staging_rows=list(staging) if staging is not None else None,
         )
-        self._grower: threading.Thread | None = None
-        self._closing = threading.Event()
+        self._state_copier = state_copier
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
         self._l3: Any = None
         if s.l3 == "mooncake":
@@ -298,14 +257,18 @@ class HostPrefixCache:
             self._l3 = L3Tier(
                 s,
                 index=self.index,
-                page_pool=self._host_pages,
-                state_pool=self._host_states,
+                page_pool=self._host.pages,
+                state_pool=self._host.states,
                 fingerprint_fields=fields,
                 store_factory=l3_store,
             )
         if s.preallocate:
-            self._grow_all()
+            self._host.pin_all()
         _LIVE.add(self)
+
+    def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor]) -> PageCopier:
+        s = self.settings
+        return PageCopier(pages, self._host.pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes)
 
     def _abandon(self) -> None:
         """In a child made by fork(): every call is a no-op and ``close()`` returns at once. The cache's memory,
@@ -317,27 +280,15 @@ class HostPrefixCache:
         _ABANDONED.append(self)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))  # no teardown, even at interpreter exit
 
-    # Host memory
+    @property
+    def host_pools(self) -> tuple[HostPool, HostPool | None]:
+        """The host page pool and state pool (None without states): ``kvtier.copy.host_array`` views their bytes."""
+        return self._host.pages, self._host.states
 
-    def _grow_all(self) -> None:
-        """Pins the host pools in pin steps, making each step's slots usable as soon as it is pinned."""
-        pools = [p for p in (self._host_pages, self._host_states) if p is not None]
-        try:
-            for pool in pools:
-                while not self._closing.is_set() and pool.usable_slots < pool.slots:
-                    pool.grow_step()
-                    self.index.grow(self._usable(self._host_pages), self._usable(self._host_states))
-        except Exception as e:  # noqa: BLE001 - the cache keeps serving from what is pinned
-            self._error("pin", e)
-
-    @staticmethod
-    def _usable(pool: HostPool | None) -> int:
-        return 0 if pool is None else pool.usable_slots
-
-    def _start_growing(self) -> None:
-        if self._grower is None:
-            self._grower = threading.Thread(target=self._grow_all, name="kvtier-pin", daemon=True)
-            self._grower.start()
+    @property
+    def core(self) -> CoreCache:
+        """The core's cache: what each engine call crosses into once (its copy streams, layer parts, blocks)."""
+        return self._core
 
     def flush_l3(self, timeout_s: float) -> bool:
         """Waits until the L3 tier is connected and the work submitted to it so far (write-behind puts, fetches)
@@ -349,12 +300,9 @@ class HostPrefixCache:
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Waits until the host pools are fully pinned (for tests and benchmarks); returns whether they are."""
-        if self._grower is not None:
-            self._grower.join(timeout)
-            return not self._grower.is_alive()
-        return self._host_pages.usable_slots == self._host_pages.slots
+        return self._host.wait(timeout)
 
-    # Engine-loop calls
+    # Engine-loop calls: one call into the core each
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
@@ -378,12 +326,12 @@ class HostPrefixCache:
         allocate: Callable[[], BlockTable | None],
         state: Any = None,
         namespace: str | bytes | None = None,
-        block_table: Callable[[], BlockTable] | None = None,
     ) -> int:
         """Looks the prompt up and, on a hit, fills the sequence's first blocks (and state) from the host.
 
         ``prompt_ids`` as the engine holds them (a list, an integer array, a CPU tensor). A request's ids only grow
-        until ``forget(request_id)``: a prompt that does not extend them raises ``PromptMismatchError``
+        until ``forget(request_id)``: before a hit is allocated and loaded, every token is compared with what was
+        hashed for the request, and a prompt that does not extend it raises ``PromptMismatchError``
         (docs/INDEX.md); a call for a request already seen costs its new tokens, not the prompt.
 
         ``allocate()`` is called only on a hit: it allocates the sequence's GPU blocks now and returns its block
@@ -391,64 +339,32 @@ class HostPrefixCache:
         "never". Returns the cached tokens, 0 for a miss (or a failure: the sequence is then recomputed from
         scratch, even if it was allocated), or -1 when the sequence should retry later (``allocate()`` said not
         now, or an L3 fetch for it is running; nothing of the sequence was touched).
-
-        ``block_table=`` (a callable, with ``allocate()`` returning a bool) is the old form: deprecated.
         """
         _check_call(request_id, namespace)
         self._check_state(state)
         if not callable(allocate):
             raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
-        if block_table is not None:
-            warnings.warn(
-                "resume(block_table=...) is deprecated: let allocate() return the block table (or None for not now)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            allocate = _old_allocate(allocate, block_table)
         return self._resume(request_id, prompt_ids, allocate, state, namespace)
 
     @_guarded(0)
     def _resume(self, request_id, tokens, allocate, state, namespace) -> int:  # type: ignore[no-untyped-def]
         # L3: a request whose fetch runs retries later; a host miss starts the request's one fetch (no GPU blocks).
-        if self._l3 is not None and self._l3.waiting(request_id):
+        l3 = self._l3
+        if l3 is not None and l3.waiting(request_id):
             return -1
-        # verify: a hit compares every token hashed for the request before anything is allocated or loaded.
-        look = self.index.lookup(request_id, tokens, namespace=namespace, verify=True)
-        if self._l3 is not None and self._l3.start_fetch(request_id, look.ready_pages, look.limit_pages):
-            return -1
-        hit = look.hit_tokens
-        if hit == 0:
-            return 0
-        try:
-            table = allocate()
-        except RuntimeError:
-            return 0  # can never fit: let the scheduler reject the request
-        if table is None:
-            self.index.defer(request_id)
-            return -1
-        if isinstance(table, (bool, np.bool_)):
-            raise TypeError(
-                "allocate() must return the block table or None, got a bool (the old form passes block_table= as well)"
-            )
-        n = hit // self.block_size
-        ids = block_ids(table, n, self._copy_pages.num_blocks, "allocate()'s block table")
-        try:
-            plan = self.index.begin_load(request_id, hit)
-        except StaleLookupError:
-            self._count("stale_lookups")  # an L3 fetch evicted the pages since the lookup: a miss
-            return 0
-        try:
-            self.transfers.load_pages(plan.page_slots, ids)
-            stream = self._stream()
-            if plan.state_slot is not None:
-                assert self._copy_states is not None and self._staging is not None and self._load_state
-                self._copy_states.to_gpu(np.array([plan.state_slot], np.int32), np.zeros(1, np.int32), stream)
-                self._load_state(state, hit, self._staging[0])
-            self.transfers.finish(plan.ticket, store=False, engine_work=plan.state_slot is not None)
-        except BaseException:
-            self.index.abort(plan.ticket)
-            raise
-        return hit
+        self._copiers[0].check_memory()
+        hit = self._core.resume(
+            request_id,
+            tokens,
+            allocate=lambda: _host_ids(allocate()),
+            state=state,
+            namespace=namespace,
+            stream=self._stream(),
+            fetch_group_pages=l3.fetch_group_pages(request_id) if l3 is not None else None,
+        )
+        if hit == CoreCache.FETCH:
+            return -1 if l3.start_fetch(request_id) else 0
+        return int(hit)
 
     def store(
         self,
@@ -463,100 +379,63 @@ class HostPrefixCache:
         """Write-through store of a prompt whose prefill has run: its full blocks (GPU blocks ``block_table``,
         a sequence of ints or an integer array; ids past the prompt's full blocks are not read) and, for models
         with state, the states at the last few block boundaries still in the ring (``seq_len``: the sequence's
-        length now, default the prompt's). The copies are enqueued (on kvtier's copy stream, after the engine's work
-        enqueued so far) and ``store`` returns at once; ``poll()`` makes them hits once they finished. Call
-        ``release(blocks)`` or ``forget(request_id)`` before the engine rewrites these blocks."""
+        length now, default the prompt's). Every token is compared with what was hashed for the request first.
+        The copies are enqueued (on kvtier's copy stream, after the engine's work enqueued so far) and ``store``
+        returns at once; ``poll()`` makes them hits once they finished. Call ``release(blocks)`` or
+        ``forget(request_id)`` before the engine rewrites these blocks."""
         _check_call(request_id, namespace)
         self._check_state(state)
-        table = block_ids(block_table, len(prompt_ids) // self.block_size, self._copy_pages.num_blocks)
-        self._store(request_id, prompt_ids, table, _seq_len(seq_len), state, namespace)
+        self._store(request_id, prompt_ids, _host_ids(block_table), seq_len, state, namespace)
 
     def _check_state(self, state: Any) -> None:
-        if state is None and self._host_states is not None:
+        if state is None and self._host.states is not None:
             raise TypeError(
                 "state= must be the engine's handle of the sequence's state (this model has state), got None"
             )
 
     @_guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]
-        pinning = any(p.usable_slots < p.slots for p in (self._host_pages, self._host_states) if p is not None)
-        skipped = self.index.stats()["store_skipped"] if pinning else 0
-        plan = self.index.plan_store(request_id, tokens, seq_len=seq_len, namespace=namespace, block_table=table)
-        self._start_growing()  # after planning: the first store of a lazily pinned pool is always skipped
-        if len(plan.page_slots) == 0 and len(plan.state_slots) == 0:
-            self.index.complete(plan.ticket)  # nothing to copy: present entries were only touched
-            if pinning and self.index.stats()["store_skipped"] > skipped:
-                self._skipped_while_pinning()
-            return
-        try:
-            stream = self._stream()
-            if len(plan.page_slots):
-                assert plan.src_blocks is not None
-                self.transfers.store_pages(plan.src_blocks, plan.page_slots, request_id)
-            if len(plan.state_slots):
-                assert self._copy_states is not None and self._staging is not None and self._select_state
-                per_round = len(self._staging)
-                bounds, slots = plan.state_boundaries, plan.state_slots
-                for start in range(0, len(bounds), per_round):
-                    part = slice(start, start + per_round)
-                    for j, b in enumerate(bounds[part]):
-                        self._select_state(state, b, self._staging[j])
-                    n = len(bounds[part])
-                    self._copy_states.to_host(np.arange(n, dtype=np.int32), slots[part], stream)
-            self.transfers.finish(plan.ticket, store=True, engine_work=len(plan.state_slots) > 0)
-        except BaseException:
-            self.index.abort(plan.ticket)
-            raise
-
-    def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor], s: CacheSettings) -> PageCopier:
-        return PageCopier(pages, self._host_pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes)
-
-    def _skipped_while_pinning(self) -> None:
-        self._count("store_skipped_pinning")
-        if not self._told_pinning:
+        self._copiers[0].check_memory()
+        outcome = self._core.store(
+            request_id, tokens, table, seq_len=seq_len, state=state, namespace=namespace, stream=self._stream()
+        )
+        self._host.start()  # after planning: the first store of a lazily pinned pool is always skipped
+        if outcome == "skipped_pinning" and not self._told_pinning:
             self._told_pinning = True
-            pinned = self._usable(self._host_pages) * self.page_bytes >> 20
             log.info(
-                "kvtier: a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
-                "stores use each pin step as it completes (preallocate=True pins at construction, "
-                "wait_pinned() waits for it)",
-                pinned,
+                "a store was skipped: the host pool is still being pinned (%d of %d MiB so far); stores use each "
+                "pin step as it completes (preallocate=True pins at construction, wait_pinned() waits for it)",
+                self._host.pinned_bytes() >> 20,
                 self.page_slots * self.page_bytes >> 20,
             )
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
 
     @_guarded(None)
     def poll(self) -> None:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
-        for ticket in self.transfers.poll():
-            ready = self.index.complete(ticket)
-            if ready is not None and self._l3 is not None:
+        for ready in self._core.poll():
+            if self._l3 is not None:
                 self._l3.put(ready)  # L3 write-behind of what the store made ready
 
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for the pages of pending
         layer-wise loads of that layer. Cheap; a no-op without layer-wise loads and on the CPU."""
-        self._order("wait_layer", self.transfers.wait_layer, layer)
+        self._order("wait_layer", self._core.wait_layer, layer, stream=self._stream())
 
     def wait_loads(self) -> None:
         """``wait_layer`` for every layer."""
-        self._order("wait_loads", self.transfers.wait_loads)
+        self._order("wait_loads", self._core.wait_loads, stream=self._stream())
 
     def release(self, blocks: BlockTable) -> None:
         """Before the engine rewrites ``blocks`` (GPU block ids, checked as ``store`` checks its table): its stream
         waits (GPU-side) for the pending stores that read them. Cheap; a no-op without copy streams and on the
         CPU."""
-        ids = block_ids(blocks, len(blocks), self._copy_pages.num_blocks, "blocks")
-        self._order("release", self.transfers.release, ids)
+        self._order("release", self._core.release, _host_ids(blocks), stream=self._stream())
 
-    def _order(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+    def _order(self, what: str, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Runs a GPU-side ordering call under the failure policy. If it fails, the host waits for the device
         instead, so the engine never reads a block early nor rewrites one a store still reads."""
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except CALLER_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
@@ -570,8 +449,7 @@ class HostPrefixCache:
         disabled itself, so that no chain is kept."""
         _check_call(request_id, None)
         try:
-            self.transfers.forget(request_id)
-            self.index.forget(request_id)
+            self._core.forget(request_id, stream=self._stream())
             if self._l3 is not None:
                 self._l3.forget(request_id)
         except CALLER_ERRORS:
@@ -599,12 +477,9 @@ class HostPrefixCache:
         out["state_bytes"] = self.state_bytes
         out["bytes_to_host"] = out["pages_stored"] * self.page_bytes + out["states_stored"] * self.state_bytes
         out["bytes_to_gpu"] = out["pages_loaded"] * self.page_bytes + out["states_loaded"] * self.state_bytes
-        out["host_bytes_pinned"] = (
-            self._usable(self._host_pages) * self.page_bytes + self._usable(self._host_states) * self.state_bytes
-        )
-        out["copies_in_flight"] = self.transfers.pending()
-        with self._lock:
-            out.update(self._counts)
+        out["host_bytes_pinned"] = self._host.pinned_bytes()
+        out["copies_in_flight"] = self._core.copies_in_flight
+        out["bad_arguments"] = self._bad_arguments
         if self._l3 is not None:
             out.update(self._l3.stats())
         return out
@@ -614,27 +489,22 @@ class HostPrefixCache:
         if self.closed:
             return
         self.closed = True
-        self._closing.set()
-        if self._grower is not None:
-            self._grower.join()
-        for ticket in self.transfers.wait_all():
-            self.index.complete(ticket)
-        if self._l3 is not None and not self._l3.close():
-            # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
-            log.warning("kvtier: the L3 store did not stop in time; the host pools are not freed")
-            return
-        for pool in (self._host_pages, self._host_states):
-            if pool is not None:
-                pool.close()
+        self._core.drain()
+        # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
+        free = self._l3 is None or self._l3.close()
+        if not free:
+            log.warning("the L3 store did not stop in time; the host pools are not freed")
+        self._host.close(free=free)
 
     def report_error(self, where: str, e: BaseException) -> None:
         """For adapters that must not raise into their engine: ``e`` was raised by a call at ``where``. A caller's
         bad argument (``OverflowError``, ``TypeError``, ``ValueError``) is logged and counted in
         ``bad_arguments``, never towards ``max_errors``; anything else is kvtier's failure (``errors``)."""
         if isinstance(e, CALLER_ERRORS):
-            self._count("bad_arguments")
+            with self._lock:
+                self._bad_arguments += 1
             log.warning(
-                "kvtier: %s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
+                "%s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
             )
         else:
             self._error(where, e)
@@ -644,13 +514,13 @@ class HostPrefixCache:
         with self._lock:
             if not self.disabled:
                 self.disabled = True
-                log.error("kvtier: the host prefix cache disables itself: %s", reason)
+                log.error("the host prefix cache disables itself: %s", reason)
 
     def _error(self, where: str, e: BaseException) -> None:
         with self._lock:
             self.errors += 1
             self.index.count_error()
-            log.warning("kvtier: %s failed (%s: %s); the request continues uncached", where, type(e).__name__, e)
+            log.warning("%s failed (%s: %s); the request continues uncached", where, type(e).__name__, e)
             if self.errors >= self.settings.max_errors and not self.disabled:
                 self.disabled = True
-                log.error("kvtier: %d errors, the host prefix cache disables itself", self.errors)
+                log.error("%d errors, the host prefix cache disables itself", self.errors)

@@ -199,6 +199,12 @@ class PageCopier:
         return self._host
 
     @property
+    def core(self) -> _CorePageCopier:
+        """The core's copier over the same memory (a cache's executor copies through it; this object keeps the
+        tensors alive)."""
+        return self._core
+
+    @property
     def page_bytes(self) -> int:
         return self._core.page_bytes
 

@@ -158,6 +158,9 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
             "l3_deadline_ms": rng.choice([5, 50, 500]),
             "l3_store": faulty,
         }
+    if has_state:  # the engine's state kernels fail at random
+        engine.select_state = flaky(engine.select_state, rng, fault_p, summary)  # type: ignore[method-assign]
+        engine.load_state = flaky(engine.load_state, rng, fault_p, summary)  # type: ignore[method-assign]
     cache = Cache(
         engine,
         size_bytes=rng.randint(4, 24) * engine.page_bytes,
@@ -174,12 +177,8 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
         inner._l3.wait_connected(10)
         if summary.l3_restarts == 0 and summary.rounds >= 2:
             restart_at = rng.randint(5, 40)  # restart the master once, in the middle of a round
-    # Copy faults: the copier's launches fail at random (the copier has no fault seam of its own).
-    inner._copy_pages.to_gpu = flaky(inner._copy_pages.to_gpu, rng, fault_p, summary)  # type: ignore[method-assign]
-    inner._copy_pages.to_host = flaky(inner._copy_pages.to_host, rng, fault_p, summary)  # type: ignore[method-assign]
-    if has_state:
-        inner._select_state = flaky(inner._select_state, rng, fault_p, summary)
-        inner._load_state = flaky(inner._load_state, rng, fault_p, summary)
+    # Copy faults: page copy batches fail at random, as failed launches do (the core's fault seam).
+    inner.core.set_copy_fault(flaky(lambda: False, rng, fault_p, summary))
 
     poll = cache.poll
 

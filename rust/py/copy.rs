@@ -272,6 +272,12 @@ impl PyPageCopier {
 }
 
 impl PyPageCopier {
+    /// The core copier, for a cache's executor. SAFETY of its pointers: `kvtier.copy.PageCopier`, which holds the
+    /// tensors, is kept by the cache for as long as its executor lives.
+    pub(super) fn copier(&self) -> PageCopier {
+        self.inner.clone()
+    }
+
     fn copy(
         &self,
         py: Python<'_>,

@@ -1,5 +1,5 @@
 //! `kvtier._core.Index` and the L3 helpers.
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 
 use numpy::PyArray1;
 use pyo3::exceptions::PyValueError;
@@ -7,9 +7,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
+use crate::cache::SharedIndex;
 use crate::chain::{Check, HashKind, TokenIds};
 use crate::error::invalid;
-use crate::index::{Config, Index};
+use crate::index::{Config, Index, Ready};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndexConfig>()?;
@@ -17,6 +18,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLookup>()?;
     m.add_class::<PyLoadPlan>()?;
     m.add_class::<PyStorePlan>()?;
+    m.add_class::<PyReady>()?;
     Ok(())
 }
 
@@ -26,7 +28,34 @@ type SlotTriple = (u64, Vec<Option<u32>>, Vec<Option<u32>>);
 /// hash release the GIL.
 #[pyclass(name = "Index", module = "kvtier._core", frozen)]
 pub struct PyIndex {
-    inner: Mutex<Index>,
+    inner: SharedIndex,
+}
+
+/// What a completed store made ready: the prompt's first `pages` pages and states at `state_pages` (pages).
+#[pyclass(name = "Ready", module = "kvtier._core", frozen)]
+pub struct PyReady {
+    pub(super) inner: Ready,
+}
+
+impl From<Ready> for PyReady {
+    fn from(inner: Ready) -> Self {
+        Self { inner }
+    }
+}
+
+#[pymethods]
+impl PyReady {
+    #[getter]
+    fn pages(&self) -> usize {
+        self.inner.page_keys.len()
+    }
+    #[getter]
+    fn state_pages(&self) -> Vec<usize> {
+        self.inner.state_pages.clone()
+    }
+    fn __repr__(&self) -> String {
+        format!("Ready(pages={}, state_pages={:?})", self.inner.page_keys.len(), self.inner.state_pages)
+    }
 }
 
 /// What the host holds for a prompt: `hit_tokens` (0 for a miss), the ready run before snapping to a state
@@ -192,8 +221,12 @@ fn version_bytes(v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 
 impl PyIndex {
     pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
-        // A panic while holding the lock would be a bug; the bookkeeping is still consistent enough to read.
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::cache::lock(&self.inner)
+    }
+
+    /// The index itself, for a cache or a planner that shares it.
+    pub(super) fn shared(&self) -> &SharedIndex {
+        &self.inner
     }
 
     /// Runs `f` on the index and the prompt's ids with the GIL released. An array is read in place. Of a list or
@@ -242,7 +275,7 @@ impl PyIndex {
             None => cfg.state_slots,
         };
         let index = Index::new(cfg, usable_pages, usable_states).map_err(to_py)?;
-        Ok(Self { inner: Mutex::new(index) })
+        Ok(Self { inner: std::sync::Arc::new(std::sync::Mutex::new(index)) })
     }
 
     #[getter]
@@ -436,8 +469,8 @@ impl PyIndex {
 
     /// The copies of a ticket finished: stored entries become ready, references drop. Returns what a store made
     /// ready (for the L3 write-behind), None for other tickets.
-    fn complete(&self, ticket: u64) -> PyResult<Option<super::l3::PyReady>> {
-        Ok(self.lock().finish(ticket).map_err(to_py)?.map(super::l3::PyReady::from))
+    fn complete(&self, ticket: u64) -> PyResult<Option<PyReady>> {
+        Ok(self.lock().complete(ticket).map_err(to_py)?.map(PyReady::from))
     }
 
     /// The copies of a ticket failed: stored entries are discarded, held ones released.
@@ -473,42 +506,11 @@ impl PyIndex {
     /// Counters, pool occupancy and the token hit rate.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let ix = self.lock();
-        let s = ix.stats();
         let d = PyDict::new(py);
-        for (k, v) in [
-            ("lookups", s.lookups),
-            ("hits", s.hits),
-            ("hit_tokens", s.hit_tokens),
-            ("lookup_tokens", s.lookup_tokens),
-            ("deferred", s.deferred),
-            ("stores", s.stores),
-            ("store_skipped", s.store_skipped),
-            ("pages_stored", s.pages_stored),
-            ("pages_loaded", s.pages_loaded),
-            ("pages_evicted", ix.pages().evicted()),
-            ("states_stored", s.states_stored),
-            ("states_loaded", s.states_loaded),
-            ("states_evicted", ix.states().evicted()),
-            ("errors", s.errors),
-            ("prompt_mismatches", s.prompt_mismatches),
-            ("model_versions", s.model_versions),
-            ("pages_retired", ix.pages().retired()),
-            ("states_retired", ix.states().retired()),
-            ("stale_version_calls", s.stale_version_calls),
-            ("page_slots", u64::from(ix.pages().capacity())),
-            ("page_slots_usable", u64::from(ix.pages().usable())),
-            ("pages_used", ix.pages().used() as u64),
-            ("pages_evictable", ix.pages().evictable() as u64),
-            ("state_slots", u64::from(ix.states().capacity())),
-            ("state_slots_usable", u64::from(ix.states().usable())),
-            ("states_used", ix.states().used() as u64),
-            ("states_evictable", ix.states().evictable() as u64),
-            ("in_flight", ix.in_flight() as u64),
-            ("requests", ix.requests() as u64),
-        ] {
+        for (k, v) in ix.stat_values() {
             d.set_item(k, v)?;
         }
-        d.set_item("token_hit_rate", s.token_hit_rate())?;
+        d.set_item("token_hit_rate", ix.stats().token_hit_rate())?;
         Ok(d)
     }
 

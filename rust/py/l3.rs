@@ -5,14 +5,12 @@ use std::sync::{Mutex, MutexGuard};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use super::index::PyIndex;
+use super::index::{PyIndex, PyReady};
 use super::{namespace_bytes, non_negative, to_py};
-use crate::index::Ready;
 use crate::l3;
 use crate::l3plan::{self, FetchPlan, HostLayout, Object, Planner, Probe, PutPlan, Transfer};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyReady>()?;
     m.add_class::<PyL3Planner>()?;
     m.add_class::<PyPutPlan>()?;
     m.add_class::<PyProbe>()?;
@@ -48,33 +46,6 @@ fn part_digests<'py>(
     let bytes = data.as_slice().map_err(|_| PyTypeError::new_err("part_digests needs a contiguous uint8 array"))?;
     let parts = py.detach(|| l3::part_digests(bytes));
     Ok(pyo3::types::PyBytes::new(py, &parts.concat()))
-}
-
-/// What a completed store made ready: the prompt's first `pages` pages and states at `state_pages` (pages).
-#[pyclass(name = "Ready", module = "kvtier._core", frozen)]
-pub struct PyReady {
-    inner: Ready,
-}
-
-impl From<Ready> for PyReady {
-    fn from(inner: Ready) -> Self {
-        Self { inner }
-    }
-}
-
-#[pymethods]
-impl PyReady {
-    #[getter]
-    fn pages(&self) -> usize {
-        self.inner.page_keys.len()
-    }
-    #[getter]
-    fn state_pages(&self) -> Vec<usize> {
-        self.inner.state_pages.clone()
-    }
-    fn __repr__(&self) -> String {
-        format!("Ready(pages={}, state_pages={:?})", self.inner.page_keys.len(), self.inner.state_pages)
-    }
 }
 
 type Request = (Vec<String>, Vec<Vec<usize>>, Vec<Vec<usize>>);
@@ -278,11 +249,6 @@ impl PyL3Planner {
         self.lock().state_key(page_key)
     }
 
-    /// Whether whole groups lie between the host's ready run and the lookup's cap (pages): a fetch may help.
-    fn wants_fetch(&self, ready_pages: usize, limit_pages: usize) -> bool {
-        limit_pages / self.group_pages > ready_pages / self.group_pages
-    }
-
     /// Plans (and seals) the put of what a store made ready; None when nothing is new.
     fn plan_put(&self, py: Python<'_>, ready: &PyReady) -> PyResult<Option<PyPutPlan>> {
         let index = self.index.get();
@@ -306,10 +272,9 @@ impl PyL3Planner {
     }
 
     /// The keys a fetch of this request asks about first; None when there is nothing to ask.
-    fn probe(&self, py: Python<'_>, request_id: &str, ready_pages: usize, limit_pages: usize) -> Option<PyProbe> {
+    fn probe(&self, py: Python<'_>, request_id: &str) -> Option<PyProbe> {
         let index = self.index.get();
-        py.detach(|| self.lock().probe(&index.lock(), request_id, ready_pages, limit_pages))
-            .map(|inner| PyProbe { inner })
+        py.detach(|| self.lock().probe(&index.lock(), request_id)).map(|inner| PyProbe { inner })
     }
 
     /// Plans the fetch from the Store's exists() codes for the probe's keys; reserves its slots. None: a miss.
@@ -356,7 +321,7 @@ impl PyL3Planner {
                 return Ok(false);
             }
             let mut ix = index.lock();
-            if admit { ix.complete(p.inner.ticket) } else { ix.abort(p.inner.ticket) }.map_err(to_py)?;
+            if admit { ix.complete(p.inner.ticket).map(drop) } else { ix.abort(p.inner.ticket) }.map_err(to_py)?;
         } else {
             return Err(PyTypeError::new_err(format!(
                 "plan must be a PutPlan or FetchPlan, got {}",

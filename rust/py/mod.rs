@@ -11,6 +11,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use crate::chain::{bad_token, TokenIds, TOKEN_LIMIT};
 use crate::error::{invalid, Error};
 
+mod cache;
 mod copy;
 mod index;
 mod l3;
@@ -39,7 +40,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::UnknownRequest(_) | Error::UnknownTicket(_) => PyKeyError::new_err(msg),
         Error::Stale(_) => StaleLookupError::new_err(msg),
         Error::Copy(_) => CopyError::new_err(msg),
-        Error::Invariant(_) => KvtierError::new_err(msg),
+        Error::Invariant(_) | Error::Hook(_) => KvtierError::new_err(msg),
     }
 }
 
@@ -315,6 +316,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     l3::register(m)?;
     copy::register(m)?;
+    cache::register(m)?;
     Ok(())
 }
 

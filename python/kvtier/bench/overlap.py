@@ -177,7 +177,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     out["cache_off"] = [_ttft(engine, "off", prompt())]
     no_copy = _NoCopy(engine, pre)
     cache = Cache(engine, size_bytes=host_bytes, num_state_slots=64, preallocate=True, copy_method=args.method)
-    xfer = cache.cache.transfers
+    core = cache.cache.core
     engine.cache = cache
     # Store the prefix: a prompt ending just past it, so the state at the prefix's last boundary is stored too.
     _ttft(engine, "store", prefix + rng.integers(0, vocab, 5).tolist())
@@ -188,7 +188,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
         for mode in ("prefill_alone", "whole_loads", "layerwise_loads"):
             timed = _Timed(cache)
             engine.cache = no_copy if mode == "prefill_alone" else timed
-            xfer.layerwise_loads = mode == "layerwise_loads"
+            core.set_layerwise_loads(mode == "layerwise_loads")
             rid = f"{mode}{i}"
             t = _ttft(engine, rid, prompt())
             _settle(cache)

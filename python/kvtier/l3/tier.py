@@ -295,17 +295,22 @@ class L3Tier:
         self._fetches[request_id] = None
         return False
 
-    def start_fetch(self, request_id: str, ready_pages: int, limit_pages: int) -> bool:
-        """Starts this request's one L3 consultation when whole groups lie beyond the host's ready run; True when
-        a fetch was started (the request should retry later)."""
-        if request_id in self._fetches or not self.planner.wants_fetch(ready_pages, limit_pages):
-            return False
-        self._fetches[request_id] = None
+    def fetch_group_pages(self, request_id: str) -> int | None:
+        """The group size for the core's resume to judge whether this request should consult L3 (``FETCH``), or
+        None when it consulted it already or no Store is connected (a connection attempt is started then)."""
+        if request_id in self._fetches:
+            return None
         if self._conn.store is None:
             self._maybe_connect()
-            return False
+            return None
+        return self.planner.group_pages
+
+    def start_fetch(self, request_id: str) -> bool:
+        """Starts this request's one L3 consultation (the core's resume answered ``FETCH``): the fetch worker
+        probes from the request's last lookup. True when a fetch was started (the request should retry later)."""
+        self._fetches[request_id] = None
         try:
-            fut = self._submit(self._gets, "fetch", self._fetch, request_id, ready_pages, limit_pages)
+            fut = self._submit(self._gets, "fetch", self._fetch, request_id)
         except L3Error:  # a full or closed worker: the request goes ahead without L3
             return False
         self._count("lookups")
@@ -400,8 +405,8 @@ class L3Tier:
             if release:
                 self.planner.finish(plan)
 
-    def _fetch(self, request_id: str, ready_pages: int, limit_pages: int) -> None:
-        probe = self.planner.probe(request_id, ready_pages, limit_pages)
+    def _fetch(self, request_id: str) -> None:
+        probe = self.planner.probe(request_id)
         if probe is None:  # forgotten meanwhile, or the host holds the run now
             self._count("misses")
             return
