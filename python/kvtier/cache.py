@@ -463,7 +463,7 @@ class HostPrefixCache:
             self._told_pinning = True
             pinned = self._usable(self._host_pages) * self.page_bytes >> 20
             log.info(
-                "kvtier: a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
+                "a store was skipped: the host pool is still being pinned (%d of %d MiB so far); "
                 "stores use each pin step as it completes (preallocate=True pins at construction, "
                 "wait_pinned() waits for it)",
                 pinned,
@@ -555,7 +555,7 @@ class HostPrefixCache:
             self.index.complete(ticket)
         if self._l3 is not None and not self._l3.close():
             # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
-            log.warning("kvtier: the L3 store did not stop in time; the host pools are not freed")
+            log.warning("the L3 store did not stop in time; the host pools are not freed")
             return
         for pool in (self._host_pages, self._host_states):
             if pool is not None:
@@ -568,7 +568,7 @@ class HostPrefixCache:
         if isinstance(e, CALLER_ERRORS):
             self._count("bad_arguments")
             log.warning(
-                "kvtier: %s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
+                "%s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
             )
         else:
             self._error(where, e)
@@ -577,7 +577,7 @@ class HostPrefixCache:
         with self._lock:
             self.errors += 1
             self.index.count_error()
-            log.warning("kvtier: %s failed (%s: %s); the request continues uncached", where, type(e).__name__, e)
+            log.warning("%s failed (%s: %s); the request continues uncached", where, type(e).__name__, e)
             if self.errors >= self.settings.max_errors and not self.disabled:
                 self.disabled = True
-                log.error("kvtier: %d errors, the host prefix cache disables itself", self.errors)
+                log.error("%d errors, the host prefix cache disables itself", self.errors)

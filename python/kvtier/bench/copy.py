@@ -51,7 +51,7 @@ def _names(text: str) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.cli import at_least, parser
 
-    ap = parser("kvtier bench copy", __doc__.splitlines()[0])
+    ap = parser("kvtier bench copy", __doc__)
     ap.add_argument(
         "--page-sizes", type=_sizes, default=_sizes("4K,16K,64K,128K,256K,512K,1M,4M,8M"), help="bytes per page"
     )
