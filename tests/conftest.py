@@ -1,4 +1,9 @@
-"""Shared pytest set-up: hypothesis profiles and the gpu marker's skip."""
+"""Shared pytest set-up: hypothesis profiles, the gpu marker's skip, the `timed` fixture and the Mooncake fixtures.
+
+The default run has no assertion on wall time, nor on how much work fits in a time budget, so that it passes on a
+loaded machine: a test whose bounds are part of what it checks takes `timed` and asserts them only in the slow run
+(`pytest -m slow`).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["untimed", "timed"])
+def timed(request: pytest.FixtureRequest) -> bool:
+    """True in the slow run's copy of a test, which also asserts its time bounds; False in the default run's."""
+    return bool(request.param)
 
 
 # ---- Mooncake fixtures (L3 tier) -------------------------------------------------------------------------------
