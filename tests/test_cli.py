@@ -18,31 +18,28 @@ import kvtier
 from kvtier.cli import main
 from kvtier.settings import REGISTRY, SECRET, TEXT
 
+# A demo that runs in seconds: 3 conversations x 3 turns of the tiny model.
+TINY = [
+    "--model",
+    "tiny",
+    "--conversations",
+    "3",
+    "--turns",
+    "3",
+    "--system-tokens",
+    "64",
+    "--user-tokens",
+    "24",
+    "--answer-tokens",
+    "4",
+    "--gpu-blocks",
+    "48",
+]
+
 
 def test_demo_json_reports_identical_outputs_and_savings(capsys, tmp_path):
     plot = tmp_path / "ttft.png"
-    rc = main(
-        [
-            "demo",
-            "--json",
-            "--model",
-            "tiny",
-            "--conversations",
-            "3",
-            "--turns",
-            "3",
-            "--system-tokens",
-            "64",
-            "--user-tokens",
-            "24",
-            "--answer-tokens",
-            "4",
-            "--gpu-blocks",
-            "48",
-            "--plot",
-            str(plot),
-        ]
-    )
+    rc = main(["demo", "--json", *TINY, "--plot", str(plot)])
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert rc == 0 and out["identical"] is True
@@ -83,25 +80,6 @@ def test_demo_takes_an_empty_system_prompt(capsys):
     assert main(["demo", *TINY, "--system-tokens", "0", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["identical"] and out["prompt_tokens"] > 0
-
-
-# A demo that runs in seconds: 3 conversations x 3 turns of the tiny model.
-TINY = [
-    "--model",
-    "tiny",
-    "--conversations",
-    "3",
-    "--turns",
-    "3",
-    "--system-tokens",
-    "64",
-    "--user-tokens",
-    "24",
-    "--answer-tokens",
-    "4",
-    "--gpu-blocks",
-    "48",
-]
 
 
 def test_unknown_command_is_refused(capsys):
@@ -344,7 +322,7 @@ GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.M)
 @pytest.mark.mooncake
 def test_mooncake_logs_to_files_and_not_stderr_unless_told(tmp_path):
     pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
-    demo = ("demo", "--l3", "local", "--quiet", *TINY[:2], "--conversations", "2", "--turns", "2", *TINY[6:])
+    demo = ("demo", "--l3", "local", "--quiet", *TINY, "--conversations", "2", "--turns", "2")  # the last ones win
     r = run_cli(*demo, env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert not GLOG.search(r.stderr) and "InitGoogleLogging" not in r.stderr, r.stderr
