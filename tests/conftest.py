@@ -47,13 +47,17 @@ def timed(request: pytest.FixtureRequest) -> bool:
 # Self-contained: a real master and holder on free loopback ports, and one Store client, shared per test module.
 # Tests that kill or restart the master start their own LocalMooncake instead.
 
+# The read lease a get is granted: a get whose transfer outlasts it fails (LEASE_EXPIRED), which a loaded machine
+# makes likely with a lease of a few hundred ms. Every test removes objects by force, so a long lease holds none up.
+LEASE_TTL_MS = 10_000
+
 
 @pytest.fixture(scope="module")
 def mooncake_server():  # type: ignore[no-untyped-def]
     pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
     from kvtier.l3.server import LocalMooncake
 
-    with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=200) as server:
+    with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=LEASE_TTL_MS) as server:
         yield server
 
 

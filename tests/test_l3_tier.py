@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
 
+from conftest import LEASE_TTL_MS  # noqa: E402
 from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
@@ -429,7 +430,7 @@ def test_a_store_that_raises_leaves_nothing_held(mooncake_server, exists_too):
 def test_master_killed_mid_workload_then_back(timed):
     w = Conversations(conversations=3, turns=6, system_tokens=64, user_tokens=40, answer_tokens=4, seed=5)
     off = w.run(engine())
-    with LocalMooncake(segment_bytes=128 << 20, lease_ttl_ms=200) as server:
+    with LocalMooncake(segment_bytes=128 << 20, lease_ttl_ms=LEASE_TTL_MS) as server:
         a = attach(engine(), server.master_addr)
         calls: list[float] = []
         for name in ("try_resume", "on_prefill_step", "poll"):
