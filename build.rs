@@ -25,7 +25,7 @@ fn main() {
         println!("cargo::warning=KVTIER_NO_CUDA=1: building without the CUDA copy kernel");
         return;
     }
-    let Some(nvcc) = find_nvcc() else {
+    let Some((nvcc, source)) = find_nvcc() else {
         let msg = "nvcc not found (looked at NVCC, CUDA_HOME, the nvidia-cuda-nvcc wheel on the build Python's import \
                    path, PATH)";
         // A wheel for Linux x86_64 without the kernel would be a silent downgrade for every user of it: refuse,
@@ -81,16 +81,34 @@ fn main() {
         println!("cargo::rustc-link-lib=dylib={lib}");
     }
     println!("cargo::rustc-cfg=kvtier_cuda");
-    println!("cargo::rustc-env=KVTIER_NVCC={}", nvcc.display());
+    // What built the kernel, kept in the module: nvcc's version and where it was found, not its path (pip's
+    // isolated build environment, where the wheel's nvcc usually lives, is gone once the build is done).
+    println!("cargo::rustc-env=KVTIER_NVCC_VERSION={}", nvcc_version(&nvcc));
+    println!("cargo::rustc-env=KVTIER_NVCC_SOURCE={source}");
 }
 
-fn find_nvcc() -> Option<PathBuf> {
+/// nvcc's version, `13.0.88` from the `Cuda compilation tools, release 13.0, V13.0.88` line of `nvcc --version`.
+fn nvcc_version(nvcc: &Path) -> String {
+    let out = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("running {} --version: {e}", nvcc.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter(|l| l.contains("release"))
+        .find_map(|l| l.split_whitespace().last())
+        .map(|v| v.trim_start_matches('V').to_string())
+        .unwrap_or_else(|| panic!("{} --version names no release:\n{text}", nvcc.display()))
+}
+
+/// nvcc, and where it was found: `NVCC`, `CUDA_HOME`, `nvidia-cuda-nvcc wheel` or `PATH`.
+fn find_nvcc() -> Option<(PathBuf, &'static str)> {
     let exists = |p: PathBuf| p.is_file().then_some(p);
     if let Some(p) = env::var_os("NVCC").map(PathBuf::from).and_then(exists) {
-        return Some(p);
+        return Some((p, "NVCC"));
     }
     if let Some(p) = env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).and_then(exists) {
-        return Some(p);
+        return Some((p, "CUDA_HOME"));
     }
     // The nvidia-cuda-nvcc wheel of the build requirements. In pip's isolated build it is on the build
     // interpreter's import path (not in its purelib), so ask the interpreter where the `nvidia` namespace
@@ -102,11 +120,13 @@ fn find_nvcc() -> Option<PathBuf> {
     for py in pythons {
         for dir in nvidia_package_dirs(&py) {
             if let Some(p) = exists(dir.join("cu13/bin/nvcc")) {
-                return Some(p);
+                return Some((p, "nvidia-cuda-nvcc wheel"));
             }
         }
     }
-    env::var_os("PATH").and_then(|paths| env::split_paths(&paths).map(|d| d.join("nvcc")).find_map(exists))
+    env::var_os("PATH")
+        .and_then(|paths| env::split_paths(&paths).map(|d| d.join("nvcc")).find_map(exists))
+        .map(|p| (p, "PATH"))
 }
 
 /// The directories of the `nvidia` namespace package as `python` imports it (none if it cannot).

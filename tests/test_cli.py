@@ -5,48 +5,81 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import kvtier
 from kvtier.cli import main
-from kvtier.settings import REGISTRY
+from kvtier.settings import REGISTRY, SECRET, TEXT
+
+# A demo that runs in seconds: 3 conversations x 3 turns of the tiny model.
+TINY = [
+    "--model",
+    "tiny",
+    "--conversations",
+    "3",
+    "--turns",
+    "3",
+    "--system-tokens",
+    "64",
+    "--user-tokens",
+    "24",
+    "--answer-tokens",
+    "4",
+    "--gpu-blocks",
+    "48",
+]
 
 
 def test_demo_json_reports_identical_outputs_and_savings(capsys, tmp_path):
     plot = tmp_path / "ttft.png"
-    rc = main(
-        [
-            "demo",
-            "--json",
-            "--model",
-            "tiny",
-            "--conversations",
-            "3",
-            "--turns",
-            "3",
-            "--system-tokens",
-            "64",
-            "--user-tokens",
-            "24",
-            "--answer-tokens",
-            "4",
-            "--gpu-blocks",
-            "48",
-            "--plot",
-            str(plot),
-        ]
-    )
-    out = json.loads(capsys.readouterr().out)
+    rc = main(["demo", "--json", *TINY, "--plot", str(plot)])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert rc == 0 and out["identical"] is True
-    for key in ("hit_rate", "prefill_tokens_off", "prefill_tokens_on", "ttft_p50_off_ms", "ttft_p50_on_ms"):
+    for key in ("hit_rate", "prefill_tokens_off", "prefill_tokens_on", "ttft_off_ms", "ttft_on_ms", "noise"):
         assert key in out
     assert out["prefill_tokens_on"] < out["prefill_tokens_off"] and out["hit_rate"] > 0.3
+    # Every time figure is a median over its requests with an interval around it (9 requests: enough for 95%).
+    for key in ("ttft_off_ms", "ttft_on_ms", "ttft_speedup"):
+        lo, hi = out[key]["interval"]
+        assert out[key]["n"] == 9 and lo <= out[key]["median"] <= hi, out[key]
+    assert [f["n"] for f in out["ttft_per_turn_off_ms"]] == [3, 3, 3]
+    assert set(out["ttft_each_on_ms"]) == {f"c{c}-t{t}" for c in range(3) for t in range(3)}
     assert plot.stat().st_size > 1000
+    # --json shows progress too, on stderr: one line a turn of each engine (stderr is no terminal here).
+    progress = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert len(progress) == 6 and progress[-1].startswith("[6/6]"), captured.err
+
+
+def test_demo_alternates_which_engine_goes_first(capsys):
+    assert main(["demo", *TINY, "--turns", "4"]) == 0
+    err = capsys.readouterr().err
+    firsts = [line.split("] ")[1].split(",")[0] for line in err.splitlines() if line.startswith("[")][::2]
+    assert firsts == ["cache off", "cache on", "cache off", "cache on"], err
+
+
+def test_demo_reports_counts_first_and_times_with_their_intervals(capsys):
+    assert main(["demo", *TINY, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    counts, times = out.split("times (wall clock")
+    assert "prefill tokens computed" in counts and "token hit rate" in counts and "identical" in counts
+    ttft = next(line for line in times.splitlines() if line.startswith("TTFT (ms)"))
+    assert ttft.count("[") == 2, ttft  # a median and its interval for each engine
+    # Whether the machine was quiet is the run's business; what the demo says about it is not.
+    assert "WARNING: these times" in times or "waited for a CPU" in times
+
+
+def test_demo_takes_an_empty_system_prompt(capsys):
+    assert main(["demo", *TINY, "--system-tokens", "0", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical"] and out["prompt_tokens"] > 0
 
 
 def test_unknown_command_is_refused(capsys):
@@ -110,18 +143,82 @@ BAD = [
     (["bench", "l3", "--groups", "0"], "--groups: must be >= 1"),
     (["bench", "pin", "--host-gib", "0"], "--host-gib: must be > 0"),
     (["bench", "pin", "--after-seconds", "-1"], "--after-seconds: must be >= 0"),
+    (["bench", "pin", "--device", "cpu", "--model", "huge"], "unknown model preset 'huge'"),
+    (["bench", "pin", "--device", "cpu", "--host-gib", str(1 << 20)], "host_bytes"),
+    (["demo", "--plot", "/nonexistent/dir/x.png"], "--plot: '/nonexistent/dir/x.png': no folder /nonexistent/dir"),
+    (["demo", "--plot", "x.txt"], "--plot: 'x.txt': matplotlib writes no .txt files (it writes "),
+    (["demo", "--plot", "ttft"], "matplotlib writes no extension-less files"),
+    (["demo", "--gpu-blocks", "1"], "--gpu-blocks 1 cannot hold the last turn's request: 992 tokens need 62 blocks"),
+    (["demo", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),
+    (["bench", "copy", "--plot", "gbps.doc"], "matplotlib writes no .doc files"),
+    (["bench", "index", "--page-slots", "1"], "--page-slots must hold the prompt's 2048 pages (every page cached)"),
+    (["bench", "index", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+    (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
+    (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
+    (["soak", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),
 ]
 
 
 @pytest.mark.parametrize("argv, text", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_numbers_fail_in_one_line_before_any_work(argv, text, capsys):
-    t0 = time.perf_counter()
+def test_bad_arguments_fail_in_one_line_before_any_work(argv, text, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     err = capsys.readouterr().err
+    # One line and nothing else: no progress line, no log record, so no work began.
     assert exit_.value.code == 2
     assert text in err and err.count("\n") == 1, err
-    assert time.perf_counter() - t0 < 10, "checked before any work runs"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+@pytest.mark.parametrize("command", [["bench", "pin"], ["demo", "--device", "cuda"], ["soak", "--device", "cuda"]])
+def test_cuda_asked_for_without_cuda_is_one_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "CUDA" in err and err.count("\n") == 1, err
+
+
+def bad_value(setting: Any) -> str | None:
+    """A value of the setting's variable that its parser refuses (None: any text is accepted)."""
+    if setting.kind in (TEXT, SECRET):
+        return "nonsense" if setting.choices else None
+    return "garbage"
+
+
+# The commands that build caches, and the settings each gives its caches itself (an argument wins over its
+# variable, so these variables are never read).
+CACHE_COMMANDS = {
+    "demo": {"host_bytes", "state_slots", "preallocate"},
+    "soak": {"host_bytes", "max_errors"},
+    "soak --l3": {"host_bytes", "max_errors", "l3", "l3_master"},
+    "bench pin --device cpu": {"host_bytes", "state_slots", "pin_step_bytes"},
+    "bench l3": {"host_bytes", "l3", "l3_master", "l3_group_pages"},
+}
+READ = [
+    (command, setting)
+    for command, given in CACHE_COMMANDS.items()
+    for setting in REGISTRY
+    if bad_value(setting) is not None and setting.name not in given
+]
+
+
+@pytest.mark.parametrize("command, setting", READ, ids=[f"{c} {s.variable}" for c, s in READ])
+def test_every_bad_kvtier_variable_stops_a_command_before_its_first_request(command, setting, capsys, monkeypatch):
+    if "l3" in command:
+        pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    for s in REGISTRY:
+        monkeypatch.delenv(s.variable, raising=False)
+    monkeypatch.setenv(setting.variable, bad_value(setting))
+    with pytest.raises(SystemExit) as exit_:
+        main(command.split())
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and setting.variable in err and err.count("\n") == 1, err
+
+
+def test_the_hash_kind_of_the_issue_stops_the_demo_at_once():
+    r = run_cli("demo", env={"KVTIER_HASH_KIND": "md5"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "hash_kind (from KVTIER_HASH_KIND='md5'): must be one of 'blake3', 'xxh3'" in r.stderr
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: str | None = None) -> Any:
@@ -139,11 +236,10 @@ def test_demo_l3_names_the_extra_before_the_baseline(tmp_path):
     fake = tmp_path / "mooncake"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('mooncake is not installed here')\n")
-    t0 = time.perf_counter()
     r = run_cli("demo", "--l3", "local", pythonpath=str(tmp_path))
     assert r.returncode == 2, r.stderr
     assert 'pip install "kvtier[l3]"' in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert "cache off" not in r.stderr and time.perf_counter() - t0 < 60
+    assert "cache off" not in r.stderr
 
 
 def test_info_reports_the_build_and_where_each_setting_came_from():
@@ -165,3 +261,98 @@ def test_info_reports_the_build_and_where_each_setting_came_from():
 def test_info_names_a_bad_setting_of_the_environment():
     r = run_cli("info", env={"KVTIER_KEEP_TOKENS": "zero"})
     assert r.returncode == 1 and "keep_tokens" in r.stdout and "KVTIER_KEEP_TOKENS='zero'" in r.stdout
+
+
+def test_bench_pin_on_the_cpu_reports_when_the_pool_was_pinned(capsys):
+    """The pinning is watched on the engine loop's thread (a watcher thread once met the pinning thread created but
+    not started, and crashed the benchmark)."""
+    argv = ["bench", "pin", "--device", "cpu", "--model", "tiny", "--host-gib", "0.25", "--after-seconds", "0"]
+    for _ in range(3):
+        assert main([*argv, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["pinned"] is True and out["pin_seconds"] > 0 and out["calls_while_pinning"] > 0, out
+        assert out["calls_after"] > 0 and out["max_ms_by_call"]["poll"] > 0
+
+
+def test_bench_index_agrees_at_the_smallest_pool_it_takes(capsys):
+    assert main(["bench", "index", "--json", "--tokens", "1024", "--repeat", "2", "--page-slots", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hit_tokens"] == 1024 - 64, "every page but the last (keep_tokens) is a hit"
+
+
+@pytest.mark.parametrize("command", [c for c in SUBCOMMANDS if c != ["info"]], ids=" ".join)
+def test_every_option_has_help_and_the_description_is_whole_sentences(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = capsys.readouterr().out
+    usage, description, options = text.split("\n\n", 2)
+    assert " ".join(description.split()).endswith("."), description
+    # An option's entry: its names, then its help after two spaces or on the next line, indented further.
+    lines = options.splitlines()[1:]
+    for i, line in enumerate(lines):
+        if not re.match(r"^  -", line) or line.strip().startswith("-h, --help"):
+            continue
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        after = lines[i + 1] if i + 1 < len(lines) else ""
+        assert len(parts) == 2 or re.match(r"^ {4,}\S", after), f"{parts[0]} has no help"
+    if command == ["bench", "copy"]:
+        assert "and what each costs the model." in " ".join(description.split())
+
+
+def test_soak_says_what_bound_the_memory_growth_is_judged_against(capsys):
+    assert main(["soak", "--rounds", "1"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "rss_bound_mib=96.0" in line and line.endswith("memory growth within its bound)"), line
+    assert main(["soak", "--rounds", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rss_within_bound"] is True and out["passed"] is True and out["rss_bound_mib"] == 96.0
+
+
+def test_the_library_log_on_the_command_line_has_one_prefix():
+    r = run_cli("soak", "--rounds", "1", "--fault-rate", "0.5", "--verbose")
+    assert r.returncode == 0, r.stderr
+    records = [line for line in r.stderr.splitlines() if " failed (" in line]
+    assert records and all(line.startswith("kvtier: ") for line in records), r.stderr
+    assert "kvtier: kvtier:" not in r.stderr
+
+
+GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.M)
+
+
+@pytest.mark.mooncake
+def test_mooncake_logs_to_files_and_not_stderr_unless_told(tmp_path):
+    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    demo = ("demo", "--l3", "local", "--quiet", *TINY, "--conversations", "2", "--turns", "2")  # the last ones win
+    r = run_cli(*demo, env={"TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert not GLOG.search(r.stderr) and "InitGoogleLogging" not in r.stderr, r.stderr
+    logs = tmp_path / "kvtier-mooncake-log"
+    assert any(p.name.startswith("mooncake-transfer-engine") for p in logs.iterdir())
+    # The deployment's choice: Mooncake logs to stderr as it does by itself, and nothing goes to kvtier's folder.
+    told = tmp_path / "told"
+    told.mkdir()
+    r = run_cli(*demo, env={"TMPDIR": str(told), "MC_LOG_LEVEL": "INFO"})
+    assert r.returncode == 0 and GLOG.search(r.stderr), r.stderr
+    assert not (told / "kvtier-mooncake-log").exists()
+
+
+def test_the_package_metadata_names_the_license_project_and_authors():
+    from importlib.metadata import metadata
+
+    md = metadata("kvtier")
+    assert md["License"] == "Apache-2.0" and md.get_all("Author") == ["kvtier maintainers"]
+    urls = dict(u.split(", ", 1) for u in md.get_all("Project-URL"))
+    assert {"Homepage", "Repository", "Issues", "Documentation"} <= set(urls)
+    root = Path(__file__).resolve().parent.parent
+    assert urls["Repository"] in (root / "README.md").read_text()
+    assert "License :: OSI Approved :: Apache Software License" in md.get_all("Classifier")
+    assert (root / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+
+
+def test_build_info_names_the_nvcc_by_version_and_source():
+    info = kvtier.build_info()
+    if not info["cuda"]:
+        assert info["nvcc"] is None and info["nvcc_source"] is None
+        return
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?", info["nvcc"]), info
+    assert info["nvcc_source"] in ("NVCC", "CUDA_HOME", "nvidia-cuda-nvcc wheel", "PATH"), info

@@ -134,11 +134,13 @@ def test_config_and_codes() -> None:
     ]
 
 
-def test_no_master_fails_fast() -> None:
+def test_no_master_is_known_from_its_closed_port(timed: bool) -> None:
+    """The port is probed before Mooncake's setup, which retries for ~90 s: the message is the probe's."""
     t0 = time.monotonic()
-    with pytest.raises(L3Unavailable, match="no Mooncake master"):
+    with pytest.raises(L3Unavailable, match="no Mooncake master accepts connections"):
         MooncakeStore(StoreConfig(f"127.0.0.1:{free_port()}"))
-    assert time.monotonic() - t0 < 2.0
+    if timed:
+        assert time.monotonic() - t0 < 2.0
 
 
 def test_two_processes_exchange_exact_bytes(
@@ -217,7 +219,12 @@ def test_forced_remove_between_exists_and_get(
     assert mooncake_store.remove(keys[1], force=True) == OBJECT_NOT_FOUND
 
 
-def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+# How long a wait for a state (a breaker closed again, a holder remounted, a late native call back) may take
+# before the test gives up: far beyond what it takes on a quiet machine, so that a loaded one still passes.
+SETTLE_S = 60.0
+
+
+def wait_stopped(pid: int, timeout_s: float = 60.0) -> None:
     """Waits until every thread of `pid` is stopped: SIGSTOP is delivered asynchronously, and on a loaded machine a
     thread can still answer a request after kill() returned."""
     deadline = time.monotonic() + timeout_s
@@ -232,7 +239,8 @@ def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_master_killed_then_restarted() -> None:
+def test_master_killed_then_restarted(timed: bool) -> None:
+    """Every call returns within its bound (checked in the slow run) with the master killed, restarted, frozen."""
     call_timeout_s = 1.5
     with LocalMooncake(segment_bytes=64 << 20, lease_ttl_ms=200) as server:
         pids = server.pids()
@@ -254,7 +262,8 @@ def test_master_killed_then_restarted() -> None:
                 pending = exc.pending
             took = time.monotonic() - t0
             print(f"\nfirst call after the master was killed: {took:.3f} s, timed out: {pending is not None}")
-            assert time.monotonic() - t0 < call_timeout_s + 0.5
+            if timed:
+                assert took < call_timeout_s + 0.5
             assert store.breaker.is_open
 
             # While open, calls are refused at once without touching the Store (or after a quick failed probe).
@@ -264,20 +273,21 @@ def test_master_killed_then_restarted() -> None:
                 assert store.get_many(["before"], *whole(buf, range(1, 2))) == [RPC_FAIL]
                 assert store.remove("before") == RPC_FAIL
                 assert not store.healthy()
-                assert time.monotonic() - t0 < cfg.port_timeout_s + 0.1
+                if timed:
+                    assert time.monotonic() - t0 < cfg.port_timeout_s + 0.1
             if pending is not None:
-                assert pending.result(timeout=10) == [RPC_FAIL]  # the native call ends on its own (~4.3 s)
+                assert pending.result(timeout=SETTLE_S) == [RPC_FAIL]  # the native call ends on its own (~4.3 s)
 
             server.restart_master()
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + SETTLE_S
             while not store.healthy():
                 assert time.monotonic() < deadline, f"breaker still open: {store.breaker.reason}"
                 time.sleep(0.05)
             assert not store.breaker.is_open
-            # A new master knows no objects; puts and gets work again through the holder, which remounted.
-            for _ in range(50):
-                if store.put_many(["after"], *whole(buf, range(1))) == [0]:
-                    break
+            # A new master knows no objects; puts and gets work again through the holder, once it remounted.
+            deadline = time.monotonic() + SETTLE_S
+            while store.put_many(["after"], *whole(buf, range(1))) != [0]:
+                assert time.monotonic() < deadline, "no put landed after the master's restart"
                 time.sleep(0.1)
             assert store.get_many(["after"], *whole(buf, range(1, 2))) == [PAGE]
             assert buf[1].tobytes() == buf[0].tobytes()
@@ -293,14 +303,15 @@ def test_master_killed_then_restarted() -> None:
                 t0 = time.monotonic()
                 with pytest.raises(L3Timeout) as frozen:
                     store.get_many(["after"], *whole(buf, range(1, 2)))
-                assert time.monotonic() - t0 < call_timeout_s + 0.5
+                if timed:
+                    assert time.monotonic() - t0 < call_timeout_s + 0.5
                 assert store.breaker.is_open
                 assert store.exists_many(["after"]) == [RPC_FAIL]
             finally:
                 os.kill(master_pid, signal.SIGCONT)
             # The read lease (200 ms) ran out while the master was frozen: the late answer is bytes or -707.
-            assert frozen.value.pending.result(timeout=10)[0] in (PAGE, LEASE_EXPIRED)
-            deadline = time.monotonic() + 15
+            assert frozen.value.pending.result(timeout=SETTLE_S)[0] in (PAGE, LEASE_EXPIRED)
+            deadline = time.monotonic() + SETTLE_S
             while not store.healthy():
                 assert time.monotonic() < deadline, f"breaker still open: {store.breaker.reason}"
                 time.sleep(0.05)
@@ -314,7 +325,7 @@ def test_master_killed_then_restarted() -> None:
             os.kill(pid, 0)
 
 
-def test_worker_runs_in_order_and_closes_within_its_bound() -> None:
+def test_worker_runs_in_order_and_closes_without_waiting_for_a_stuck_call() -> None:
     worker = Worker("test-worker", max_pending=4)
     seen: list[int] = []
     futures = [worker.submit(seen.append, i) for i in range(4)]
@@ -334,9 +345,8 @@ def test_worker_runs_in_order_and_closes_within_its_bound() -> None:
     queued = [worker.submit(seen.append, i) for i in range(4)]
     with pytest.raises(WorkerFull):
         worker.submit(seen.append, 99)
-    t0 = time.monotonic()
-    assert worker.close(timeout_s=0.2) is False  # the running callable is never interrupted
-    assert time.monotonic() - t0 < 0.5
+    # The running callable is never interrupted, and close() does not wait for it: it runs until released below.
+    assert worker.close(timeout_s=0.2) is False
     for f in queued:
         with pytest.raises(CancelledError):
             f.result(0)

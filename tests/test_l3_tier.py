@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
 
+from conftest import LEASE_TTL_MS  # noqa: E402
 from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
@@ -34,6 +35,10 @@ pytestmark = pytest.mark.mooncake
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The deployment's secret hash key: objects that only its caches can make.
 KEY = "kvtier test deployment"
+# How long a wait for a state (a client connected, puts flushed, a holder remounted) may take before the test gives
+# up, and how long a request waits for its L3 fetch: far beyond what a quiet machine needs, so that the hits a test
+# counts do not depend on the machine's load.
+SETTLE_S = 60.0
 
 
 def work(seed: int) -> Conversations:
@@ -58,17 +63,18 @@ def attach(e: Engine, master: str | None, **settings) -> Cache:  # type: ignore[
     if master is not None:
         settings.update(l3="mooncake", l3_master=master)
         settings.setdefault("hash_key", KEY)
+        settings.setdefault("l3_deadline_ms", SETTLE_S * 1e3)
     cache = Cache(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, **settings)
     e.cache = cache
     if master is not None:
-        assert cache.cache._l3.wait_connected(15)
+        assert cache.cache._l3.wait_connected(SETTLE_S)
     return cache
 
 
 def settle(cache: Cache) -> dict:
     """Retires copies, lets the write-behind puts run, and returns the stats."""
     cache.poll()
-    assert cache.cache._l3.flush(15)
+    assert cache.cache._l3.flush(SETTLE_S)
     return cache.stats_dict()
 
 
@@ -425,10 +431,10 @@ def test_a_store_that_raises_leaves_nothing_held(mooncake_server, exists_too):
     b.close()
 
 
-def test_master_killed_mid_workload_then_back():
+def test_master_killed_mid_workload_then_back(timed):
     w = Conversations(conversations=3, turns=6, system_tokens=64, user_tokens=40, answer_tokens=4, seed=5)
     off = w.run(engine())
-    with LocalMooncake(segment_bytes=128 << 20, lease_ttl_ms=200) as server:
+    with LocalMooncake(segment_bytes=128 << 20, lease_ttl_ms=LEASE_TTL_MS) as server:
         a = attach(engine(), server.master_addr)
         calls: list[float] = []
         for name in ("try_resume", "on_prefill_step", "poll"):
@@ -453,19 +459,20 @@ def test_master_killed_mid_workload_then_back():
                 # The new master knows no segment until the holder has remounted: wait until a put lands.
                 store, probe = a.cache._l3.store, np.ones(64, np.uint8)
                 store.register(probe.ctypes.data, probe.nbytes)
-                deadline, n = time.monotonic() + 40, 0
+                deadline, n = time.monotonic() + SETTLE_S, 0
                 while time.monotonic() < deadline:
                     n += 1
                     if store.put_many([f"kvtier/test/probe-{n}"], [[probe.ctypes.data]], [[64]]) == [0]:
                         break
                     time.sleep(0.2)
                 else:
-                    pytest.fail("no put succeeded within 40 s of the master's restart")
+                    pytest.fail(f"no put succeeded within {SETTLE_S} s of the master's restart")
                 put_after_restart.append(a.stats_dict()["l3_bytes_put"])
 
         assert w.run(a.engine, on_turn=on_turn) == off
         worst = max(calls)
-        assert worst < 0.05, f"an engine-loop call took {worst * 1e3:.1f} ms around a master kill"
+        if timed:
+            assert worst < 0.05, f"an engine-loop call took {worst * 1e3:.1f} ms around a master kill"
         s = settle(a)
         assert s["l3_bytes_put"] > put_after_restart[0], {
             k: v for k, v in s.items() if k.startswith("l3")
@@ -477,7 +484,7 @@ def test_master_killed_mid_workload_then_back():
         b.close()
 
 
-def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
+def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server, timed):
     """32K-token prompts hit from L3 while other requests keep calling the cache every step."""
     bs, n_pages, page_bytes = 16, 2048, 8 << 10
     gpu = torch.zeros((n_pages + 64, page_bytes), dtype=torch.uint8)
@@ -492,17 +499,17 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
             l3="mooncake",
             l3_master=mooncake_server.master_addr,
             hash_key=KEY,
-            l3_deadline_ms=5000,
+            l3_deadline_ms=SETTLE_S * 1e3,
             fingerprint_fields={"test": "long"},
         )
-        assert c._l3.wait_connected(15)
+        assert c._l3.wait_connected(SETTLE_S)
         return c
 
     prompt = np.random.default_rng(9).integers(0, 1000, size=n_pages * bs + 1, dtype=np.int32)
     a = cache()
     a.store("p", prompt, np.arange(n_pages, dtype=np.int32))
     a.poll()
-    assert a._l3.flush(30) and a.stats()["l3_puts_failed"] == 0
+    assert a._l3.flush(SETTLE_S) and a.stats()["l3_puts_failed"] == 0
     expect = gpu[:n_pages].clone()
     gpu[:n_pages] = 0  # the hit must restore every page from L3
     b = cache()
@@ -537,7 +544,8 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server):
         f"{s['l3_get_seconds'] * 1e3:.1f} ms"
     )
     # A functional bound, not the speed target (1 ms; docs/PERFORMANCE.md): no call waits for the Store's get.
-    assert no_copy[-1][0] < 0.05, no_copy[-3:]
+    if timed:
+        assert no_copy[-1][0] < 0.05, no_copy[-3:]
     a.close()
     b.close()
 
@@ -561,9 +569,9 @@ def test_groups_already_in_the_store_are_not_sent_again(mooncake_server):
 
 
 @pytest.mark.parametrize("stopped", ["master", "holder"])
-def test_close_with_a_stopped_master_is_bounded(stopped):
+def test_close_with_a_stopped_master_is_bounded(stopped, timed):
     with LocalMooncake(segment_bytes=64 << 20, lease_ttl_ms=200) as server:
-        a = attach(engine(), server.master_addr)
+        a = attach(engine(), server.master_addr, l3_deadline_ms=50)  # no hit is counted: requests need not wait
         w = work(71)
         w.run(a.engine)
         settle(a)
@@ -579,7 +587,9 @@ def test_close_with_a_stopped_master_is_bounded(stopped):
             took = time.monotonic() - t0
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert took <= 10.0, f"close() took {took:.1f} s with a stopped {stopped}"
+        if timed:
+            assert took <= 10.0, f"close() took {took:.1f} s with a stopped {stopped}"
+        assert a.cache.closed
 
 
 def counts() -> tuple[int, int]:
@@ -600,7 +610,7 @@ def test_caches_dropped_without_close_release_threads_and_fds(mooncake_server):
             l3_buffer_bytes=1 << 20,
             fingerprint_fields={},
         )
-        assert c._l3.wait_connected(15)
+        assert c._l3.wait_connected(SETTLE_S)
         return c
 
     def settled(start: tuple[int, int], timeout_s: float) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,11 @@ def test_every_l3_statistic_is_in_the_table_and_exported(mooncake_server):
         fingerprint_fields={"model": "registry-test"},
     )
     try:
+        # Read once the tier is connected: until then the gauges (l3_connected) change between two reads.
+        deadline = time.monotonic() + 60
+        while not c.stats()["l3_connected"]:
+            assert time.monotonic() < deadline, "the L3 tier did not connect"
+            time.sleep(0.05)
         check_stats(c, l3=True)
     finally:
         c.close()

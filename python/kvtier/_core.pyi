@@ -64,7 +64,9 @@ class PromptMismatchError(ValueError):
     only grow until forget())."""
 
 def build_info() -> dict[str, Any]:
-    """version, cuda (kernel compiled in), cuda_runtime_version, cuda_devices (visible now), nvcc."""
+    """version, cuda (kernel compiled in), cuda_runtime_version, cuda_devices (visible now), nvcc (the version of
+    the nvcc that compiled the kernel) and nvcc_source (where the build found it: NVCC, CUDA_HOME, nvidia-cuda-nvcc
+    wheel or PATH); the last two None without the kernel."""
 
 def stat_table() -> list[tuple[str, str, str]]:
     """(name, kind, help) of every statistic a cache reports; kind is "counter" or "gauge"."""

@@ -1,7 +1,8 @@
 """The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,overlap,l3,pin}`, `kvtier soak`, `kvtier info`.
 
 Also the argument parsing every subcommand shares: `parser()` shows each option's default in `--help` and ends a
-bad option in one line and exit status 2; `at_least`, `at_most` and `between` check numbers before any work runs.
+bad option in one line and exit status 2; `at_least`, `at_most`, `between` and `plot_file` check arguments, and
+`cache_settings` and `engine_config` the settings and the engine they give, before any work runs.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from kvtier.engine import EngineConfig
+    from kvtier.settings import CacheSettings
 
 BENCHMARKS = {
     "index": "the Rust index against plain-Python bookkeeping on one trace",
@@ -66,8 +72,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` for the options)\n")
 
 
-def parser(prog: str, description: str | None = None) -> Parser:
-    return Parser(prog, description)
+def parser(prog: str, doc: str | None = None) -> Parser:
+    """A command's parser; its description is the first paragraph of ``doc`` (the command module's docstring)."""
+    return Parser(prog, " ".join((doc or "").split("\n\n")[0].split()) or None)
 
 
 def _number(kind: Callable[[str], Any], text: str) -> Any:
@@ -116,6 +123,63 @@ def positive(kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
     return check
 
 
+def plot_file(text: str) -> str:
+    """An argparse ``type``: a file matplotlib can write, checked before any work: matplotlib is importable, the
+    extension names a format it saves, the folder exists and the file can be written there."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError(f'{text!r} needs matplotlib: pip install "kvtier[plot]"') from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(text)[1].lstrip(".").lower()
+    if ext not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: matplotlib writes no {'.' + ext if ext else 'extension-less'} files "
+            f"(it writes {', '.join(sorted(formats))})"
+        )
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder}")
+    if os.path.isdir(text) or not os.access(text if os.path.exists(text) else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written")
+    return text
+
+
+def cache_settings(
+    ap: argparse.ArgumentParser, *, page_bytes: int, state_bytes: int = 0, **arguments: Any
+) -> CacheSettings:
+    """The settings a command's caches get (its arguments over the KVTIER_* variables), with host pools of pages of
+    ``page_bytes`` (and states of ``state_bytes``) that fit in this machine: a bad value, the environment's
+    included, ends the command in one line (exit status 2) before any work."""
+    from kvtier.settings import CacheSettings, check_fits
+
+    try:
+        s = CacheSettings.resolve(None, **arguments)
+        check_fits(s, page_slots=s.host_bytes // page_bytes, page_bytes=page_bytes, state_bytes=state_bytes)
+    except ValueError as e:
+        ap.error(str(e))
+    return s
+
+
+def engine_config(ap: argparse.ArgumentParser, model: str, **fields: Any) -> EngineConfig:
+    """The reference engine's config of a model preset (its device, dtype, pool... from the arguments); a bad one
+    ends the command in one line (exit status 2) before any work."""
+    from kvtier.engine import EngineConfig
+
+    try:
+        return EngineConfig.preset(model, **fields)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def log_to_stderr() -> None:
+    """kvtier's log records on stderr as ``<logger>: <message>`` (``kvtier: ...``, ``kvtier.l3: ...``): the
+    commands' way of showing what the library logs (at WARNING and above, unless a command sets another level)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logging.getLogger("kvtier").addHandler(handler)
+
+
 # ---- kvtier info --------------------------------------------------------------------------------------------------
 
 
@@ -137,6 +201,7 @@ def info() -> dict[str, Any]:
         "cuda_kernel": bool(b["cuda"]),
         "cuda_runtime": _runtime(b.get("cuda_runtime_version")),
         "nvcc": b.get("nvcc"),
+        "nvcc_source": b.get("nvcc_source"),
         "cuda_devices": b.get("cuda_devices", 0),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "devices": [],
@@ -150,7 +215,9 @@ def info() -> dict[str, Any]:
     except ImportError:
         out["torch"] = None
     try:
-        importlib.import_module("mooncake.store")
+        from kvtier.l3.store import import_mooncake
+
+        import_mooncake()
         out["mooncake"] = True
     except ImportError:
         out["mooncake"] = False
@@ -165,7 +232,10 @@ def info() -> dict[str, Any]:
 def print_info(r: dict[str, Any]) -> None:
     print(f"kvtier {r['version']}")
     if r["cuda_kernel"]:
-        print(f"CUDA copy kernel: compiled in (CUDA runtime {r['cuda_runtime'] or 'unknown'}, nvcc {r['nvcc']})")
+        print(
+            f"CUDA copy kernel: compiled in (CUDA runtime {r['cuda_runtime'] or 'unknown'}, "
+            f"by nvcc {r['nvcc']} from {r['nvcc_source']})"
+        )
     else:
         print(
             "CUDA copy kernel: NOT compiled in (built without nvcc): a cache over a CUDA pool raises CopyError "
@@ -203,6 +273,8 @@ def main_info(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command line, not a caller in this process: the library's log goes to stderr
+        log_to_stderr()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)

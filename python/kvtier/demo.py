@@ -2,19 +2,26 @@
 
 Every conversation starts from one shared system prompt; each turn's prompt is the whole history so far (earlier
 prompts, the engine's own answers, a new user message). Conversations are interleaved and the GPU pool only holds
-the running requests, so without the cache every turn recomputes its whole history. The two runs must generate
+the running requests, so without the cache every turn recomputes its whole history. The two engines must generate
 identical tokens; the table shows what the cache saved.
+
+Prefill tokens, the hit rate and the identical outputs are counts: no load on the machine changes them. Times to
+first token are wall clock, so they are measured to be compared: the two engines take turns (one turn of every
+conversation each, the engine that goes first alternating), so a load that comes and goes falls on both; each
+median comes with a distribution-free 95% interval over its requests, and the demo warns when the machine was too
+busy, or the intervals too wide, for the times to tell the two apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import math
+import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,95 +29,191 @@ import numpy as np
 
 # The instances of `--l3 local` share a secret key made for this run: objects nobody else can forge.
 DEMO_KEY = secrets.token_hex(16)
-
-
-@dataclass
-class RunResult:
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    ttft_ms: dict[str, float] = field(default_factory=dict)  # request id -> time to first token
-    prefill_tokens: int = 0
-    prompt_tokens: int = 0
-    seconds: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
+# The demo's threads waited for a CPU more than this share of the time they were ready to run: other processes
+# took the CPUs, and the times measure them as much as the cache.
+BUSY_WAIT_SHARE = 0.25
+LEVEL = 0.95
 
 
 class Progress:
-    """A one-line progress bar on stderr (nothing when quiet)."""
+    """Progress on stderr (nothing when quiet): a bar redrawn in place on a terminal, one line a step otherwise."""
 
     def __init__(self, total: int, quiet: bool) -> None:
         self.total, self.done, self.quiet = total, 0, quiet
         self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
 
     def step(self, label: str) -> None:
         self.done += 1
         if self.quiet:
             return
+        elapsed = time.perf_counter() - self.t0
+        if not self.tty:
+            print(f"[{self.done}/{self.total}] {label} ({elapsed:.1f} s)", file=sys.stderr, flush=True)
+            return
         width = 30
         filled = width * self.done // self.total
-        elapsed = time.perf_counter() - self.t0
         bar = "#" * filled + "-" * (width - filled)
         end = "\n" if self.done == self.total else ""
         print(f"\r[{bar}] {self.done}/{self.total} {label:<22} {elapsed:6.1f}s", end=end, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace, cache_on: bool, progress: Progress, l3_master: str | None = None) -> RunResult:
+@dataclass
+class Side:
+    """One engine of the comparison (``cache`` None: the cache off), run a turn at a time."""
+
+    label: str
+    engine: Any
+    cache: Any
+    turns: Iterator[dict[str, list[int]]]
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft_ms(self) -> dict[str, float]:
+        """Request id -> time to first token."""
+        return {rid: (self.engine.stats[rid].ttft or 0.0) * 1e3 for rid in self.outputs}
+
+    @property
+    def prefill_tokens(self) -> int:
+        return int(self.engine.total_prefill_tokens_computed)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.engine.stats[rid].prompt_tokens for rid in self.outputs)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.stats = self.cache.stats_dict()
+            self.cache.close()
+
+
+def start(args: argparse.Namespace, label: str, cache_on: bool, l3_master: str | None = None) -> Side:
+    """An engine (with its cache when ``cache_on``) and its conversations, before the first turn."""
     import torch
 
     from kvtier.deepinfer import Cache
     from kvtier.engine import Engine
-    from kvtier.workload import Conversations
 
     torch.manual_seed(args.seed)
     engine = Engine(engine_config(args))
     cache = None
     if cache_on:
-        l3: dict[str, Any] = {"l3": "mooncake", "l3_master": l3_master, "hash_key": DEMO_KEY} if l3_master else {}
-        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, preallocate=True, **l3)
+        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, **cache_args(l3_master))
         engine.cache = cache
-        if l3_master and not cache.cache._l3.wait_connected(20):
+        if l3_master and not cache.cache.flush_l3(20):
             raise RuntimeError(f"no Mooncake master at {l3_master}")
-    work = Conversations(
+    return Side(label, engine, cache, workload(args).turn_by_turn(engine))
+
+
+def cache_args(l3_master: str | None) -> dict[str, Any]:
+    """The demo's settings of its caches, beside the pool sizes."""
+    l3: dict[str, Any] = {"l3": "mooncake", "l3_master": l3_master, "hash_key": DEMO_KEY} if l3_master else {}
+    return {"preallocate": True, **l3}
+
+
+def workload(args: argparse.Namespace) -> Any:
+    from kvtier.workload import Conversations
+
+    return Conversations(
         args.conversations, args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.seed
     )
-    res = RunResult()
-    t0 = time.perf_counter()
-    label = "on" if cache_on else "off"
-    res.outputs = work.run(engine, on_turn=lambda t: progress.step(f"cache {label}, turn {t + 1}"))
-    res.ttft_ms = {rid: (engine.stats[rid].ttft or 0.0) * 1e3 for rid in res.outputs}
-    res.prompt_tokens = sum(engine.stats[rid].prompt_tokens for rid in res.outputs)
-    res.seconds = time.perf_counter() - t0
-    res.prefill_tokens = engine.total_prefill_tokens_computed
-    if cache is not None:
-        res.stats = cache.stats_dict()
-        cache.close()
-    return res
 
 
-def per_turn(res: RunResult, turns: int) -> list[float]:
-    """Median time to first token of each turn, in ms."""
-    return [float(np.median([v for k, v in res.ttft_ms.items() if k.endswith(f"-t{t}")])) for t in range(turns)]
+def warm_up(args: argparse.Namespace) -> None:
+    """A request of a prefill chunk and two tokens (no longer than the workload's) through a throwaway engine, so
+    that neither side's first turn pays for torch's first calls."""
+    from kvtier.engine import Engine
+
+    cfg = engine_config(args)
+    n = max(1, min(args.chunk_size + 1, workload(args).max_tokens - 2))
+    Engine(cfg).generate({"warm-up": [i % cfg.vocab for i in range(n)]}, 2)
 
 
-def summarize(args: argparse.Namespace, off: RunResult, on: RunResult) -> dict[str, Any]:
-    identical = off.outputs == on.outputs
+def take_turns(sides: Sequence[Side], turns: int, progress: Progress) -> None:
+    """Turn t of every side, the side that goes first rotating with t, until every turn ran."""
+    for t in range(turns):
+        for side in [*sides[t % len(sides) :], *sides[: t % len(sides)]]:
+            t0 = time.perf_counter()
+            side.outputs.update(next(side.turns))
+            side.seconds += time.perf_counter() - t0
+            progress.step(f"{side.label}, turn {t + 1}")
+
+
+def cpu_times() -> dict[int, tuple[int, int]]:
+    """Per thread of this process, nanoseconds on a CPU and nanoseconds ready to run but waiting for one (Linux
+    schedstat; empty where the kernel has none)."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on_cpu, waiting = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        out[int(tid)] = (int(on_cpu), int(waiting))
+    return out
+
+
+def wait_share(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> float | None:
+    """The share of the time the threads were ready to run that they spent waiting for a CPU, between two
+    ``cpu_times()`` (threads started meanwhile count from zero)."""
+    on_cpu = waiting = 0
+    for tid, (r1, w1) in after.items():
+        r0, w0 = before.get(tid, (0, 0))
+        on_cpu, waiting = on_cpu + r1 - r0, waiting + w1 - w0
+    return waiting / (on_cpu + waiting) if on_cpu + waiting > 0 else None
+
+
+def median_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, float | None, float | None]:
+    """The median of ``values`` and a distribution-free interval for it: the order statistics x(k) and
+    x(n + 1 - k) with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k), is at least ``level``. None for
+    the interval when too few values reach that level (fewer than 6 for 95%)."""
+    x = sorted(values)
+    n = len(x)
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n
+        if 1 - 2 * below < level:
+            break
+        k += 1
+    median = float(np.median(x))
+    return (median, float(x[k - 1]), float(x[n - k])) if k else (median, None, None)
+
+
+def figure(values: Sequence[float]) -> dict[str, Any]:
+    """A median with its interval, as the JSON output has it."""
+    median, lo, hi = median_interval(values)
+    return {"median": median, "interval": None if lo is None else [lo, hi], "n": len(values)}
+
+
+def summarize(args: argparse.Namespace, off: Side, on: Side, share: float | None) -> dict[str, Any]:
     s = on.stats
-    # Turn 0 has nothing to hit but the system prompt; the later turns are where a cache pays.
-    later = [k for k in off.ttft_ms if not k.endswith("-t0")]
-    return {
-        "identical": identical,
+    t_off, t_on = off.ttft_ms, on.ttft_ms
+    # Turn 1 has nothing to hit but the system prompt; the later turns are where a cache pays.
+    later = [k for k in t_off if not k.endswith("-t0")]
+    r: dict[str, Any] = {
+        "identical": off.outputs == on.outputs,
         "requests": len(off.outputs),
         "prompt_tokens": off.prompt_tokens,
         "prefill_tokens_off": off.prefill_tokens,
         "prefill_tokens_on": on.prefill_tokens,
         "hit_rate": s.get("token_hit_rate", 0.0),
-        "ttft_p50_off_ms": float(np.percentile(list(off.ttft_ms.values()), 50)),
-        "ttft_p50_on_ms": float(np.percentile(list(on.ttft_ms.values()), 50)),
-        "ttft_p99_off_ms": float(np.percentile(list(off.ttft_ms.values()), 99)),
-        "ttft_p99_on_ms": float(np.percentile(list(on.ttft_ms.values()), 99)),
-        "ttft_p50_later_turns_off_ms": float(np.percentile([off.ttft_ms[k] for k in later], 50)) if later else 0.0,
-        "ttft_p50_later_turns_on_ms": float(np.percentile([on.ttft_ms[k] for k in later], 50)) if later else 0.0,
-        "ttft_per_turn_off_ms": per_turn(off, args.turns),
-        "ttft_per_turn_on_ms": per_turn(on, args.turns),
+        "ttft_off_ms": figure(list(t_off.values())),
+        "ttft_on_ms": figure(list(t_on.values())),
+        "ttft_later_turns_off_ms": figure([t_off[k] for k in later]) if later else None,
+        "ttft_later_turns_on_ms": figure([t_on[k] for k in later]) if later else None,
+        # The same request with the cache off and on, a turn apart at most: the load of the moment falls on both.
+        "ttft_speedup": figure([t_off[k] / t_on[k] for k in t_off if t_on.get(k)]),
+        "ttft_per_turn_off_ms": [figure(per_turn(t_off, t)) for t in range(args.turns)],
+        "ttft_per_turn_on_ms": [figure(per_turn(t_on, t)) for t in range(args.turns)],
+        "ttft_each_off_ms": t_off,
+        "ttft_each_on_ms": t_on,
+        "cpu_wait_share": share,
         "seconds_off": off.seconds,
         "seconds_on": on.seconds,
         "pages_to_host": s.get("pages_stored", 0),
@@ -130,23 +233,47 @@ def summarize(args: argparse.Namespace, off: RunResult, on: RunResult) -> dict[s
         "model": args.model,
         "layout": args.layout,
     }
+    r["noise"] = noise(r["ttft_off_ms"], r["ttft_on_ms"], share)
+    return r
+
+
+def per_turn(ttft_ms: dict[str, float], turn: int) -> list[float]:
+    return [v for k, v in ttft_ms.items() if k.endswith(f"-t{turn}")]
+
+
+def noise(off: dict[str, Any], on: dict[str, Any], share: float | None) -> list[str]:
+    """Why the times of this run may not mean much (empty: they do)."""
+    out = []
+    if share is not None and share > BUSY_WAIT_SHARE:
+        out.append(
+            f"the demo's threads waited for a CPU {share:.0%} of the time they were ready to run (other processes "
+            f"had the CPUs; over {BUSY_WAIT_SHARE:.0%} is busy)"
+        )
+    if off["interval"] is None or on["interval"] is None:
+        out.append(f"too few requests for a {LEVEL:.0%} interval of the medians (6 at least)")
+    elif off["interval"][0] <= on["interval"][1] and on["interval"][0] <= off["interval"][1]:
+        out.append(f"the {LEVEL:.0%} intervals of the cache-off and cache-on medians overlap")
+    return out
+
+
+def ms(f: dict[str, Any] | None, unit: str = "") -> str:
+    """A median and its interval: '182.6 [170.1, 195.0]'."""
+    if f is None:
+        return "-"
+    if f["interval"] is None:
+        return f"{f['median']:.1f}{unit}"
+    lo, hi = f["interval"]
+    return f"{f['median']:.1f}{unit} [{lo:.1f}, {hi:.1f}]"
 
 
 def print_table(r: dict[str, Any]) -> None:
     mib = 1 << 20
+    verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
     rows = [
         ("requests (conversations x turns)", f"{r['requests']}", ""),
         ("prompt tokens", f"{r['prompt_tokens']}", ""),
         ("prefill tokens computed", f"{r['prefill_tokens_off']}", f"{r['prefill_tokens_on']}"),
         ("token hit rate", "-", f"{r['hit_rate']:.1%}"),
-        ("TTFT p50 (ms)", f"{r['ttft_p50_off_ms']:.1f}", f"{r['ttft_p50_on_ms']:.1f}"),
-        ("TTFT p99 (ms)", f"{r['ttft_p99_off_ms']:.1f}", f"{r['ttft_p99_on_ms']:.1f}"),
-        (
-            "TTFT p50, turns 2+ (ms)",
-            f"{r['ttft_p50_later_turns_off_ms']:.1f}",
-            f"{r['ttft_p50_later_turns_on_ms']:.1f}",
-        ),
-        ("wall time (s)", f"{r['seconds_off']:.1f}", f"{r['seconds_on']:.1f}"),
         ("pages / states GPU->host", "-", f"{r['pages_to_host']} / {r['states_to_host']}"),
         ("pages / states host->GPU", "-", f"{r['pages_to_gpu']} / {r['states_to_gpu']}"),
         ("MiB GPU->host / host->GPU", "-", f"{r['bytes_to_host'] / mib:.1f} / {r['bytes_to_gpu'] / mib:.1f}"),
@@ -154,15 +281,27 @@ def print_table(r: dict[str, Any]) -> None:
         ("host pool states used", "-", f"{r['host_states_used']} of {r['host_state_slots']}"),
         ("GPU-pool deferrals", "-", f"{r['deferred']}"),
     ]
-    print(f"\n{'':<34} {'cache off':>12} {'cache on':>18}")
+    print(f"\n{'':<34} {'cache off':>24} {'cache on':>24}")
     for name, a, b in rows:
-        print(f"{name:<34} {a:>12} {b:>18}")
-    turns = zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"], strict=True)
-    print(
-        "\nper turn, median TTFT (ms):  " + "  ".join(f"t{t + 1}: {a:.0f} -> {b:.0f}" for t, (a, b) in enumerate(turns))
-    )
-    verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
+        print(f"{name:<34} {a:>24} {b:>24}")
     print(f"generated tokens with the cache on vs off: {verdict}")
+    print(f"\ntimes (wall clock: they depend on the machine's load), median [{LEVEL:.0%} interval]:")
+    timed = [
+        ("TTFT (ms)", ms(r["ttft_off_ms"]), ms(r["ttft_on_ms"])),
+        ("TTFT, turns 2+ (ms)", ms(r["ttft_later_turns_off_ms"]), ms(r["ttft_later_turns_on_ms"])),
+        ("TTFT off / on, per request", "", ms(r["ttft_speedup"], "x")),
+        ("wall time (s)", f"{r['seconds_off']:.1f}", f"{r['seconds_on']:.1f}"),
+    ]
+    for name, a, b in timed:
+        print(f"{name:<34} {a:>24} {b:>24}")
+    turns = zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"], strict=True)
+    for t, (a, b) in enumerate(turns):
+        print(f"{f'TTFT, turn {t + 1} (ms)':<34} {ms(a):>24} {ms(b):>24}")
+    if r["noise"]:
+        print("WARNING: these times do not tell the cache's effect apart from noise: " + "; ".join(r["noise"]))
+        print("  the counts above (prefill tokens, hit rate, identical outputs) do not depend on load")
+    elif r["cpu_wait_share"] is not None:
+        print(f"the demo's threads waited for a CPU {r['cpu_wait_share']:.0%} of the time they were ready to run")
 
 
 def plot(r: dict[str, Any], path: str) -> None:
@@ -171,32 +310,58 @@ def plot(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    turns = range(1, len(r["ttft_per_turn_off_ms"]) + 1)
+    turns = np.arange(1, len(r["ttft_per_turn_off_ms"]) + 1)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(turns, r["ttft_per_turn_off_ms"], "o-", label="cache off")
-    ax.plot(turns, r["ttft_per_turn_on_ms"], "s-", label="kvtier host cache on")
+    sides = (("off", "cache off", "o", -0.12, "C0"), ("on", "kvtier host cache on", "s", 0.12, "C1"))
+    for key, label, marker, dx, color in sides:
+        figures = r[f"ttft_per_turn_{key}_ms"]
+        each = r[f"ttft_each_{key}_ms"]
+        xs = [turn + 1 + dx for turn in range(len(turns)) for k in each if k.endswith(f"-t{turn}")]
+        ys = [v for turn in range(len(turns)) for k, v in each.items() if k.endswith(f"-t{turn}")]
+        ax.scatter(xs, ys, s=8, alpha=0.35, marker=marker, color=color)
+        medians = [f["median"] for f in figures]
+        lows = [f["median"] - f["interval"][0] if f["interval"] else 0.0 for f in figures]
+        highs = [f["interval"][1] - f["median"] if f["interval"] else 0.0 for f in figures]
+        ax.errorbar(
+            turns + dx,
+            medians,
+            yerr=[lows, highs],
+            fmt=f"{marker}-",
+            color=color,
+            capsize=3,
+            label=f"{label}: median, {LEVEL:.0%} interval",
+        )
     ax.set_xticks(list(turns))
-    ax.set_xlabel("turn of the conversation")
-    ax.set_ylabel("median time to first token (ms)")
-    ax.set_title(f"kvtier demo: {r['model']} model on {r['device']}, hit rate {r['hit_rate']:.0%}")
+    # From zero, unless a few slow requests would squeeze even the largest median into the axis' bottom 5%.
+    each = [v for key in ("off", "on") for v in r[f"ttft_each_{key}_ms"].values()]
+    medians = [f["median"] for key in ("off", "on") for f in r[f"ttft_per_turn_{key}_ms"]]
+    log = min(each) > 0 and max(each) > 20 * max(medians)
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("turn of the conversation (dots: each request)")
+    ax.set_ylabel("time to first token (ms" + (", log scale)" if log else ")"))
+    title = f"kvtier demo: {r['model']} model on {r['device']}, hit rate {r['hit_rate']:.0%}"
+    ax.set_title(title + ("\n(noisy run: see the warning)" if r["noise"] else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvtier.cli import at_least
+    from kvtier.cli import at_least, plot_file
     from kvtier.cli import parser as make_parser
 
-    ap = make_parser("kvtier demo", __doc__.splitlines()[0])
+    ap = make_parser("kvtier demo", __doc__)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset: tiny, small, medium, large")
     ap.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     ap.add_argument("--layout", default="page-first", choices=["page-first", "layer-first"], help="GPU pool layout")
     ap.add_argument("--conversations", type=at_least(1), default=8, help="conversations, interleaved")
     ap.add_argument("--turns", type=at_least(1), default=6, help="turns of each conversation")
-    ap.add_argument("--system-tokens", type=at_least(1), default=512, help="shared system prompt")
+    ap.add_argument("--system-tokens", type=at_least(0), default=512, help="shared system prompt")
     ap.add_argument("--user-tokens", type=at_least(1), default=64, help="new user message of each turn")
     ap.add_argument("--answer-tokens", type=at_least(1), default=16, help="tokens generated per turn")
     ap.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
@@ -206,9 +371,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-mib", type=at_least(1), default=256, help="host pool size, in MiB")
     ap.add_argument("--state-slots", type=at_least(0), default=256, help="host state slots (models with state)")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and the conversations")
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw time to first token per turn, cache off vs on")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (progress: stderr)")
+    ap.add_argument(
+        "--plot", type=plot_file, metavar="FILE.png", help="draw time to first token per turn, cache off vs on"
+    )
+    ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
     ap.add_argument(
         "--l3",
         choices=["local"],
@@ -218,11 +385,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def engine_config(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> Any:
+    """The engine of the demo's arguments (``ap``: a bad one ends the command in one line)."""
+    from kvtier.cli import engine_config as checked
     from kvtier.engine import EngineConfig
 
-    return EngineConfig.preset(
-        args.model,
+    fields = dict(
         device=args.device,
         dtype=args.dtype,
         layout=args.layout,
@@ -232,39 +400,42 @@ def engine_config(args: argparse.Namespace) -> Any:
         chunk_size=args.chunk_size,
         seed=args.seed,
     )
+    return EngineConfig.preset(args.model, **fields) if ap is None else checked(ap, args.model, **fields)
 
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Everything that would fail later, checked before the baseline runs (one line, exit status 2)."""
-    from kvtier.cli import L3_EXTRA
-    from kvtier.settings import CacheSettings, check_fits
+    """Everything that would fail later, checked before the first request (one line, exit status 2): the engine,
+    the workload against its pool, the cache's settings (the KVTIER_* variables included) against this machine,
+    and Mooncake for --l3."""
+    from kvtier.cli import L3_EXTRA, cache_settings
 
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            ap.error('--plot needs matplotlib: pip install "kvtier[demo]"')
+    cfg = engine_config(args, ap)
+    longest = workload(args).max_tokens
+    if -(-longest // cfg.block_size) > cfg.num_gpu_blocks:
+        ap.error(
+            f"--gpu-blocks {args.gpu_blocks} cannot hold the last turn's request: {longest} tokens need "
+            f"{-(-longest // cfg.block_size)} blocks of {cfg.block_size}"
+        )
+    has_state = cfg.num_sliding_layers > 0 and cfg.state_bytes > 0
+    if args.host_mib << 20 < cfg.page_bytes:
+        ap.error(f"--host-mib {args.host_mib} holds no page of {cfg.page_bytes} bytes")
+    if has_state and args.state_slots == 0:
+        ap.error(f"--state-slots must be > 0 for the {args.model} model, which has state")
+    cache_settings(
+        ap,
+        page_bytes=cfg.page_bytes,
+        state_bytes=cfg.state_bytes if has_state else 0,
+        host_bytes=args.host_mib << 20,
+        state_slots=args.state_slots if has_state else 0,
+        **cache_args("127.0.0.1:1" if args.l3 else None),  # a placeholder: the local master's port comes later
+    )
     if args.l3 == "local":
+        from kvtier.l3.store import import_mooncake
+
         try:
-            importlib.import_module("mooncake.store")
+            import_mooncake()
         except ImportError as e:
             ap.error(f"--l3 local needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
-    try:
-        cfg = engine_config(args)
-        settings = CacheSettings(host_bytes=args.host_mib << 20, state_slots=args.state_slots)
-        has_state = cfg.num_sliding_layers > 0 and cfg.state_bytes > 0
-        if args.host_mib << 20 < cfg.page_bytes:
-            raise ValueError(f"--host-mib {args.host_mib} holds no page of {cfg.page_bytes} bytes")
-        if has_state and args.state_slots == 0:
-            raise ValueError(f"--state-slots must be > 0 for the {args.model} model, which has state")
-        check_fits(
-            settings,
-            page_slots=(args.host_mib << 20) // cfg.page_bytes,
-            page_bytes=cfg.page_bytes,
-            state_bytes=cfg.state_bytes if has_state else 0,
-        )
-    except ValueError as e:
-        ap.error(str(e))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,10 +444,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     check(ap, args)
     if args.l3 == "local":
         return main_l3(args)
-    progress = Progress(2 * args.turns, args.quiet or args.json)
-    off = run(args, False, progress)
-    on = run(args, True, progress)
-    r = summarize(args, off, on)
+    progress = Progress(2 * args.turns, args.quiet)
+    warm_up(args)
+    off, on = start(args, "cache off", False), start(args, "cache on", True)
+    before = cpu_times()
+    take_turns([off, on], args.turns, progress)
+    share = wait_share(before, cpu_times())
+    on.close()
+    r = summarize(args, off, on, share)
     if args.plot:
         plot(r, args.plot)
     if args.json:
@@ -289,15 +464,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def main_l3(args: argparse.Namespace) -> int:
-    """Cache off, then instance A and instance B (each its own engine, cache and host pool, L3 on) on one local
-    Mooncake: B serves the same conversations after A, so its prefixes come from L3, not from its own host."""
+    """Cache off and instance A (its own engine, cache and host pool, L3 on) take turns, then instance B (the
+    same, with an empty host pool) on one local Mooncake: B serves the same conversations after A, so its prefixes
+    come from L3, not from its own host."""
     from kvtier.l3.server import LocalMooncake
 
-    progress = Progress(3 * args.turns, args.quiet or args.json)
-    off = run(args, False, progress)
+    progress = Progress(3 * args.turns, args.quiet)
+    warm_up(args)
     with LocalMooncake(segment_bytes=1 << 30, lease_ttl_ms=200) as server:
-        a = run(args, True, progress, l3_master=server.master_addr)
-        b = run(args, True, progress, l3_master=server.master_addr)
+        off, a = start(args, "cache off", False), start(args, "instance A", True, server.master_addr)
+        take_turns([off, a], args.turns, progress)
+        a.close()
+        b = start(args, "instance B", True, server.master_addr)
+        take_turns([b], args.turns, progress)
+        b.close()
     keys = (
         "l3_puts_submitted",
         "l3_bytes_put",
@@ -318,29 +498,29 @@ def main_l3(args: argparse.Namespace) -> int:
         "prefill_tokens_off": off.prefill_tokens,
         "prefill_tokens_a": a.prefill_tokens,
         "prefill_tokens_b": b.prefill_tokens,
-        "ttft_p50_off_ms": float(np.percentile(list(off.ttft_ms.values()), 50)),
-        "ttft_p50_a_ms": float(np.percentile(list(a.ttft_ms.values()), 50)),
-        "ttft_p50_b_ms": float(np.percentile(list(b.ttft_ms.values()), 50)),
+        "ttft_off_ms": figure(list(off.ttft_ms.values())),
+        "ttft_a_ms": figure(list(a.ttft_ms.values())),
+        "ttft_b_ms": figure(list(b.ttft_ms.values())),
         "a": {k: a.stats.get(k, 0) for k in keys},
         "b": {k: b.stats.get(k, 0) for k in keys},
     }
     if args.json:
         print(json.dumps(r))
-    else:
-        print(f"\n{'':<34} {'cache off':>12} {'instance A':>12} {'instance B':>12}")
-        print(
-            f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>12} {r['prefill_tokens_a']:>12} "
-            f"{r['prefill_tokens_b']:>12}"
-        )
-        print(
-            f"{'TTFT p50 (ms)':<34} {r['ttft_p50_off_ms']:>12.1f} {r['ttft_p50_a_ms']:>12.1f} "
-            f"{r['ttft_p50_b_ms']:>12.1f}"
-        )
-        for k in keys:
-            fmt = (lambda v: f"{v:.3f}") if isinstance(a.stats.get(k, 0), float) else str
-            print(f"{k:<34} {'-':>12} {fmt(r['a'][k]):>12} {fmt(r['b'][k]):>12}")
-        verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
-        print(f"generated tokens, cache off / instance A / instance B: {verdict}")
+        return 0 if r["identical"] else 1
+    print(f"\n{'':<34} {'cache off':>22} {'instance A':>22} {'instance B':>22}")
+    print(
+        f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>22} {r['prefill_tokens_a']:>22} "
+        f"{r['prefill_tokens_b']:>22}"
+    )
+    for k in keys:
+        fmt = (lambda v: f"{v:.3f}") if isinstance(a.stats.get(k, 0), float) else str
+        print(f"{k:<34} {'-':>22} {fmt(r['a'][k]):>22} {fmt(r['b'][k]):>22}")
+    print(
+        f"{'TTFT (ms), median [95% interval]':<34} {ms(r['ttft_off_ms']):>22} {ms(r['ttft_a_ms']):>22} "
+        f"{ms(r['ttft_b_ms']):>22}"
+    )
+    verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
+    print(f"generated tokens, cache off / instance A / instance B: {verdict}")
     return 0 if r["identical"] else 1
 
 

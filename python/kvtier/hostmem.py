@@ -51,8 +51,9 @@ class HostMemory:
     def start(self) -> None:
         """Starts pinning on a background thread, once."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self.pin_all, name="kvtier-pin", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self.pin_all, name="kvtier-pin", daemon=True)
+            thread.start()
+            self._thread = thread  # published once started, so that wait() never joins a thread not yet started
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until both pools are pinned; returns whether they are."""

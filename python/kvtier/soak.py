@@ -5,7 +5,9 @@ Each round draws an engine (layout, layer pattern, a GPU pool small enough to ru
 the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight; with
 L3, Store faults (failed calls, lost, short, corrupted and misplaced values) and a master restart. Every
 generated token must equal cache off; the index's invariants are checked at every engine step; when the round
-ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line.
+ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line,
+which says whether the resident memory grew within its bound (RSS_BOUND_MIB after the warm-up round); the exit
+status is 1 on a mismatch or a growth over the bound.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
 from kvtier.workload import Conversations
+
+# Resident memory may grow this much after the warm-up round: torch's and the allocator's working set. Every
+# round closes its pools, so more is a leak until shown otherwise.
+RSS_BOUND_MIB = 96.0
 
 
 class Fault(RuntimeError):
@@ -48,12 +54,26 @@ class Summary:
     steps_checked: int = 0
     mismatches: int = 0
     rss_growth_mib: float = 0.0
+    rss_bound_mib: float = RSS_BOUND_MIB
     seconds: float = 0.0
 
+    @property
+    def rss_within_bound(self) -> bool:
+        return self.rss_growth_mib <= self.rss_bound_mib
+
+    @property
+    def passed(self) -> bool:
+        """Cache on equalled cache off, and memory stayed within its bound."""
+        return self.mismatches == 0 and self.rss_within_bound
+
     def line(self) -> str:
-        return "soak: " + " ".join(
-            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items()
-        )
+        fields = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(self).items())
+        memory = "within its bound" if self.rss_within_bound else "OVER its bound: a leak until shown otherwise"
+        outputs = "cache on equals cache off" if self.mismatches == 0 else f"{self.mismatches} MISMATCHES"
+        return f"soak: {fields} ({outputs}; memory growth {memory})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rss_within_bound": self.rss_within_bound, "passed": self.passed}
 
 
 def rss_mib() -> float:
@@ -218,16 +238,22 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
 
 
 def soak(
-    seconds: float, seed: int = 0, device: str = "cpu", fault_p: float = 0.05, max_rounds: int = 10_000, l3: Any = None
+    seconds: float | None,
+    seed: int = 0,
+    device: str = "cpu",
+    fault_p: float = 0.05,
+    max_rounds: int = 10_000,
+    l3: Any = None,
 ) -> Summary:
-    """Rounds until ``seconds`` are spent. ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3
-    tier (with injected Store faults and one master restart) under the same test."""
+    """Rounds after a warm-up round, until ``seconds`` are spent (None: no time budget) or ``max_rounds`` ran.
+    ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3 tier (with injected Store faults and one
+    master restart) under the same test."""
     rng = random.Random(seed)
     summary = Summary()
     t0 = time.perf_counter()
     one_round(rng, device, fault_p, summary, l3)  # warm-up: torch and the allocator reach their working size
     rss0 = rss_mib()
-    while time.perf_counter() - t0 < seconds and summary.rounds < max_rounds:
+    while (seconds is None or time.perf_counter() - t0 < seconds) and summary.rounds < max_rounds:
         one_round(rng, device, fault_p, summary, l3)
     summary.rss_growth_mib = rss_mib() - rss0
     summary.seconds = time.perf_counter() - t0
@@ -235,9 +261,9 @@ def soak(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import at_least, between, parser, positive
+    from kvtier.cli import L3_EXTRA, at_least, between, cache_settings, engine_config, parser, positive
 
-    ap = parser("kvtier soak", __doc__.splitlines()[0])
+    ap = parser("kvtier soak", __doc__)
     ap.add_argument("--seconds", type=positive(), default=30.0, help="time budget (rounds run until it is spent)")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the randomized rounds")
     ap.add_argument("--rounds", type=at_least(1), default=10_000, help="at most this many rounds after the warm-up")
@@ -247,6 +273,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true", help="log every handled (injected) error")
     ap.add_argument("--l3", action="store_true", help="also run the L3 tier on a local Mooncake Store")
     a = ap.parse_args(argv)
+    # Before the first round: the device, and the settings the environment gives every round's cache.
+    cfg = engine_config(ap, "tiny", device=a.device)
+    l3: dict[str, Any] = {"l3": "mooncake", "l3_master": "127.0.0.1:1"} if a.l3 else {}  # master: a placeholder
+    cache_settings(ap, page_bytes=cfg.page_bytes, host_bytes=24 * cfg.page_bytes, max_errors=1 << 30, **l3)
+    if a.l3:
+        from kvtier.l3.store import import_mooncake
+
+        try:
+            import_mooncake()
+        except ImportError as e:
+            ap.error(f"--l3 needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
     if not a.verbose:
         logging.getLogger("kvtier").setLevel(logging.ERROR)
     if a.l3:
@@ -256,8 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)
     else:
         s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds)
-    print(json.dumps(asdict(s)) if a.json else s.line())
-    return 1 if s.mismatches else 0
+    print(json.dumps(s.to_json()) if a.json else s.line())
+    return 0 if s.passed else 1
 
 
 if __name__ == "__main__":

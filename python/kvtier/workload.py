@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +24,18 @@ class Conversations:
     seed: int = 0
     prefix: str = ""  # request ids are ``<prefix>c<C>-t<T>``: distinct prefixes let one engine run several
 
-    def run(self, engine: Engine, on_turn: Callable[[int], None] | None = None) -> dict[str, list[int]]:
-        """Runs every turn to completion; returns each request's generated tokens by request id."""
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence: the last turn's prompt and its answer."""
+        return self.system_tokens + self.turns * (self.user_tokens + self.answer_tokens)
+
+    def turn_by_turn(self, engine: Engine) -> Iterator[dict[str, list[int]]]:
+        """Each ``next()`` runs one more turn to completion and returns its requests' generated tokens by request
+        id, so that several engines can take turns."""
         vocab = engine.config.vocab
         rng = np.random.default_rng(self.seed)
         system = rng.integers(0, vocab, size=self.system_tokens).tolist()
         histories = [list(system) for _ in range(self.conversations)]
-        outputs: dict[str, list[int]] = {}
         for turn in range(self.turns):
             rids = []
             for c in range(self.conversations):
@@ -39,9 +44,16 @@ class Conversations:
                 engine.add_request(rid, list(histories[c]), self.answer_tokens)
                 rids.append((c, rid))
             engine.run_until_done()
+            outputs = {rid: engine.outputs[rid] for _, rid in rids}
             for c, rid in rids:
-                outputs[rid] = engine.outputs[rid]
                 histories[c] += outputs[rid]
+            yield outputs
+
+    def run(self, engine: Engine, on_turn: Callable[[int], None] | None = None) -> dict[str, list[int]]:
+        """Runs every turn to completion; returns each request's generated tokens by request id."""
+        outputs: dict[str, list[int]] = {}
+        for turn, done in enumerate(self.turn_by_turn(engine)):
+            outputs.update(done)
             if on_turn is not None:
                 on_turn(turn)
         return outputs

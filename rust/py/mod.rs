@@ -284,7 +284,8 @@ pub(crate) fn namespace_bytes(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8
 }
 
 /// What this build of kvtier has: its version, whether the CUDA copy kernel is compiled in, the CUDA runtime
-/// version, and the CUDA devices visible now (0 without a driver).
+/// version, the CUDA devices visible now (0 without a driver), and the nvcc that compiled the kernel: its version
+/// and where the build found it (None without the kernel).
 #[pyfunction]
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let d = pyo3::types::PyDict::new(py);
@@ -292,7 +293,8 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     d.set_item("cuda", crate::cuda::COMPILED)?;
     d.set_item("cuda_runtime_version", crate::cuda::runtime_version())?;
     d.set_item("cuda_devices", py.detach(crate::cuda::device_count))?;
-    d.set_item("nvcc", option_env!("KVTIER_NVCC"))?;
+    d.set_item("nvcc", option_env!("KVTIER_NVCC_VERSION"))?;
+    d.set_item("nvcc_source", option_env!("KVTIER_NVCC_SOURCE"))?;
     Ok(d)
 }
 

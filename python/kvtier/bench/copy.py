@@ -49,9 +49,9 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
+    from kvtier.cli import at_least, parser, plot_file
 
-    ap = parser("kvtier bench copy", __doc__.splitlines()[0])
+    ap = parser("kvtier bench copy", __doc__)
     ap.add_argument(
         "--page-sizes", type=_sizes, default=_sizes("4K,16K,64K,128K,256K,512K,1M,4M,8M"), help="bytes per page"
     )
@@ -76,7 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--gemm-iters", type=at_least(1), default=60, help="GEMMs a timed loop")
     ap.add_argument("--pin-gib", type=at_least(0, float), default=0.0, help="GiB of HostPool to back and pin (0: skip)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
+    ap.add_argument("--plot", type=plot_file, metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.segment_align % 16:
         ap.error(f"argument --segment-align: must be a multiple of 16 bytes, got {args.segment_align}")

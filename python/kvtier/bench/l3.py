@@ -32,7 +32,7 @@ import numpy as np
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.cli import at_least, parser
 
-    ap = parser("kvtier bench l3", __doc__.splitlines()[0])
+    ap = parser("kvtier bench l3", __doc__)
     ap.add_argument("--master", help="host:port of a running Mooncake master (default: start one on loopback)")
     ap.add_argument("--page-kib", type=at_least(1), default=256, help="page size in KiB")
     ap.add_argument("--group-pages", type=at_least(1), default=4, help="pages per L3 object")
@@ -46,7 +46,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "default: through its staging buffers",
     )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    check(ap, a)
+    return a
+
+
+# How long the master given by --master has to accept a connection before the benchmark gives up on it.
+MASTER_TIMEOUT_S = 2.0
+
+
+def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What would fail later, before any work (one line, exit status 2): the settings of the caches (the KVTIER_*
+    variables included), Mooncake, and a --master that is no host:port or accepts no connection."""
+    from kvtier.cli import L3_EXTRA, cache_settings
+    from kvtier.l3.server import port_open
+    from kvtier.l3.store import StoreConfig, import_mooncake
+
+    pages = a.groups * a.group_pages
+    master = a.master or "127.0.0.1:1"  # a placeholder until the local master runs
+    cache_settings(
+        ap,
+        page_bytes=a.page_kib << 10,
+        host_bytes=(pages + 8) * (a.page_kib << 10),
+        l3="mooncake",
+        l3_master=master,
+        l3_group_pages=a.group_pages,
+    )
+    try:
+        config = StoreConfig(master)
+    except ValueError:
+        ap.error(f"--master must be host:port, got {a.master!r}")
+    if a.master and not port_open(config.master_host, config.master_port, MASTER_TIMEOUT_S):
+        ap.error(f"--master {a.master}: no Mooncake master accepts connections there")
+    try:
+        import_mooncake()
+    except ImportError as e:
+        ap.error(f"needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
 
 
 @contextlib.contextmanager
@@ -93,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fingerprint_fields={"bench": run_id},
             )
             if not c._l3.wait_connected(20):
-                raise RuntimeError(f"no Mooncake master at {master}")
+                raise SystemExit(f"kvtier bench l3: the Mooncake master at {master} accepted no client within 20 s")
             return c
 
         writer, reader = cache(), cache()

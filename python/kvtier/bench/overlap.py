@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.cli import at_least, parser
     from kvtier.engine.config import PRESETS
 
-    ap = parser("kvtier bench overlap", __doc__.splitlines()[0])
+    ap = parser("kvtier bench overlap", __doc__)
     ap.add_argument("--model", default="medium", choices=sorted(PRESETS), help="reference engine preset")
     ap.add_argument("--device", default="cuda", help="cuda (cpu only to try the script quickly)")
     ap.add_argument("--layouts", default="layer-first,page-first", help="layer-first and/or page-first")

@@ -9,7 +9,6 @@ rate (GiB/s) and the calls' times after pinning finished, in the same run.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,9 +29,9 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import at_least, parser, positive
+    from kvtier.cli import at_least, cache_settings, engine_config, parser, positive
 
-    ap = parser("kvtier bench pin", __doc__.splitlines()[0])
+    ap = parser("kvtier bench pin", __doc__)
     ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
     ap.add_argument(
         "--pin-step-mib",
@@ -48,30 +47,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=positive(), default=120.0, help="give up after this long")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
+    import torch
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA device is visible (--device cpu pins and serves on the CPU)")
+    cfg = engine_config(ap, a.model, device=a.device, num_gpu_blocks=512, max_batch=8)
+    host_bytes = int(a.host_gib * (1 << 30))
+    state_slots = 4096 if cfg.num_sliding_layers else 0
+    cache_settings(
+        ap,
+        page_bytes=cfg.page_bytes,
+        state_bytes=cfg.state_bytes,
+        host_bytes=host_bytes,
+        state_slots=state_slots,
+        pin_step_bytes=a.pin_step_mib << 20,
+    )
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.engine import Engine
     from kvtier.workload import Conversations
 
-    engine = Engine(EngineConfig.preset(a.model, device=a.device, num_gpu_blocks=512, max_batch=8))
-    cache = Cache(
-        engine, size_bytes=int(a.host_gib * (1 << 30)), num_state_slots=4096, pin_step_bytes=a.pin_step_mib << 20
-    )
+    engine = Engine(cfg)
+    cache = Cache(engine, size_bytes=host_bytes, num_state_slots=state_slots, pin_step_bytes=a.pin_step_mib << 20)
     calls: list[tuple[float, float, str]] = []
-    for name in ("try_resume", "on_prefill_step", "poll"):
-        setattr(cache, name, timed(getattr(cache, name), calls, name))
-    engine.cache = cache
     inner = cache.cache
-    t_start = time.perf_counter()
     pinned_at: list[float] = []
+    poll = timed(cache.poll, calls, "poll")
 
-    def watch() -> None:
-        while not inner.wait_pinned(0) and time.perf_counter() - t_start < a.max_seconds:
-            time.sleep(0.005)
-        pinned_at.append(time.perf_counter())
+    def poll_and_watch() -> None:
+        # Asked on the engine loop's thread, the one that starts the pinning (at the first store): from another
+        # thread, the pinning thread could be found created but not yet started. One engine step of resolution.
+        poll()
+        if not pinned_at and inner.wait_pinned(0):
+            pinned_at.append(time.perf_counter())
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    cache.try_resume = timed(cache.try_resume, calls, "try_resume")  # type: ignore[method-assign]
+    cache.on_prefill_step = timed(cache.on_prefill_step, calls, "on_prefill_step")  # type: ignore[method-assign]
+    cache.poll = poll_and_watch  # type: ignore[method-assign]
+    engine.cache = cache
+    t_start = time.perf_counter()
     seed = 0
     while time.perf_counter() - t_start < a.max_seconds:
         work = Conversations(
@@ -81,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed += 1
         if pinned_at and time.perf_counter() - pinned_at[0] > a.after_seconds:
             break
-    watcher.join()
-    t_pinned = pinned_at[0] if inner.wait_pinned(0) else None
+    t_pinned = pinned_at[0] if pinned_at else None
     s = cache.stats_dict()
     cache.close()
     # The first store starts the pinning.

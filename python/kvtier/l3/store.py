@@ -13,6 +13,7 @@ that timed out keeps running there, which is why `L3Timeout.pending` tells when 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import tempfile
@@ -66,10 +67,13 @@ FAILURE_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
 # The key the breaker's probe asks about; it is never put.
 _PROBE_KEY = "kvtier/probe"
 
-# Mooncake's client logs through glog to stderr. 0.3.13 reads MC_LOG_DIR (write the log files there instead) and
-# MC_LOG_LEVEL when its library loads: unless the deployment set either, the log goes to files here (errors are
-# still copied to stderr).
+# Mooncake 0.3.13 logs through glog 0.3.5, to stderr. Its library reads MC_LOG_DIR and MC_LOG_LEVEL when it
+# loads: with MC_LOG_DIR the log goes to files in that directory, except the records at or above glog's stderr
+# threshold (ERROR; glog 0.3.5 reads no variable for it), which are copied to stderr too. Unless the deployment
+# set either variable, kvtier sends the log to files here and raises the threshold to FATAL, so that no Mooncake
+# record but a fatal one reaches stderr: the Store failures kvtier meets it logs itself, with their codes.
 MOONCAKE_LOG_DIR = os.path.join(tempfile.gettempdir(), "kvtier-mooncake-log")
+GLOG_FATAL = 3
 
 
 def import_mooncake() -> Any:
@@ -84,9 +88,27 @@ def import_mooncake() -> Any:
     os.makedirs(MOONCAKE_LOG_DIR, exist_ok=True)
     os.environ["MC_LOG_DIR"] = MOONCAKE_LOG_DIR
     try:
-        return importlib.import_module("mooncake.store")
+        module = importlib.import_module("mooncake.store")
     finally:
         os.environ.pop("MC_LOG_DIR", None)
+    _glog_stderr_threshold(GLOG_FATAL)
+    return module
+
+
+def _glog_stderr_threshold(severity: int) -> None:
+    """``google::SetStderrLogging(severity)`` in the glog library Mooncake loaded (a build whose glog is not a
+    shared library of its own keeps glog's threshold)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libglog" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            glog = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # the copy already loaded, never another
+            glog._ZN6google16SetStderrLoggingEi(ctypes.c_int(severity))
+        except (OSError, AttributeError):
+            continue
 
 
 def error_name(code: int) -> str:
