@@ -1,11 +1,12 @@
 //! Index operations on one long prompt (131,072 tokens in 2048 pages of 64): chain hashing (both hash kinds, as
 //! bytes of token ids a second), the lookup of a request already hashed, store planning, eviction under a full
-//! pool, and the L3 seen-set.
+//! pool (under each eviction policy), and the L3 seen-set.
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvtier::chain::{BlockHasher, Chain, Check, HashKind};
 use kvtier::l3::SeenSet;
+use kvtier::policy::Policy;
 use kvtier::{Config, Index};
 
 const BLOCK: usize = 64;
@@ -15,22 +16,12 @@ fn tokens(n: usize, seed: u32) -> Vec<i32> {
     (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) % 150_000) as i32).collect()
 }
 
-fn config(page_slots: u32) -> Config {
-    Config {
-        page_slots,
-        state_slots: 0,
-        block_size: BLOCK,
-        keep_tokens: 1,
-        min_hit_tokens: 2 * BLOCK,
-        state_lookback_blocks: 4,
-        ring_slack: 0,
-        hash_kind: HashKind::Blake3,
-        hash_key: Vec::new(),
-    }
+fn config(page_slots: u32, eviction_policy: Policy) -> Config {
+    Config { eviction_policy, ..Config::new(page_slots, 0, BLOCK) }
 }
 
-fn stored(page_slots: u32, prompt: &[i32]) -> Index {
-    let mut ix = Index::new(config(page_slots), page_slots, 0).unwrap();
+fn stored(page_slots: u32, prompt: &[i32], policy: Policy) -> Index {
+    let mut ix = Index::new(config(page_slots, policy), page_slots, 0).unwrap();
     let t = ix.plan_store("warm", b"", prompt, prompt.len()).unwrap().ticket;
     ix.complete(t).unwrap();
     ix
@@ -55,7 +46,7 @@ fn chain_extend(c: &mut Criterion) {
 
 fn lookup_walk(c: &mut Criterion) {
     let t = tokens(PAGES * BLOCK, 2);
-    let mut ix = stored(PAGES as u32 * 2, &t);
+    let mut ix = stored(PAGES as u32 * 2, &t, Policy::Lru);
     ix.chain("r", b"", &t, Check::Full).unwrap();
     let mut g = c.benchmark_group("lookup_walk");
     g.throughput(Throughput::Elements(PAGES as u64));
@@ -70,7 +61,7 @@ fn store_planning(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan_store");
     g.throughput(Throughput::Elements(PAGES as u64));
     g.bench_function("all_present", |b| {
-        let mut ix = stored(PAGES as u32 * 2, &t);
+        let mut ix = stored(PAGES as u32 * 2, &t, Policy::Lru);
         b.iter(|| {
             let p = ix.plan_store("warm", b"", black_box(&t), t.len()).unwrap();
             ix.complete(p.ticket).unwrap();
@@ -79,7 +70,7 @@ fn store_planning(c: &mut Criterion) {
     g.bench_function("all_new", |b| {
         b.iter_batched(
             || {
-                let mut ix = Index::new(config(PAGES as u32), PAGES as u32, 0).unwrap();
+                let mut ix = Index::new(config(PAGES as u32, Policy::Lru), PAGES as u32, 0).unwrap();
                 ix.chain("r", b"", &t, Check::Full).unwrap();
                 ix
             },
@@ -100,21 +91,25 @@ fn eviction_full_pool(c: &mut Criterion) {
     let b2 = tokens(PAGES * BLOCK, 5);
     let mut g = c.benchmark_group("evict_full_pool");
     g.throughput(Throughput::Elements(PAGES as u64));
-    g.bench_function("2048_pages", |b| {
-        b.iter_batched(
-            || {
-                let mut ix = stored(PAGES as u32, &a);
-                ix.chain("b", b"", &b2, Check::Full).unwrap();
-                ix
-            },
-            |mut ix| {
-                let p = ix.plan_store("b", b"", &b2, b2.len()).unwrap();
-                ix.complete(p.ticket).unwrap();
-                ix
-            },
-            BatchSize::LargeInput,
-        )
-    });
+    for policy in [Policy::Lru, Policy::Adaptive] {
+        let name =
+            if policy == Policy::Lru { "2048_pages".to_owned() } else { format!("2048_pages_{}", policy.name()) };
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    let mut ix = stored(PAGES as u32, &a, policy);
+                    ix.chain("b", b"", &b2, Check::Full).unwrap();
+                    ix
+                },
+                |mut ix| {
+                    let p = ix.plan_store("b", b"", &b2, b2.len()).unwrap();
+                    ix.complete(p.ticket).unwrap();
+                    ix
+                },
+                BatchSize::LargeInput,
+            )
+        });
+    }
     g.finish();
 }
 

@@ -292,7 +292,6 @@ mod tests {
     use std::sync::Arc as StdArc;
 
     use super::*;
-    use crate::chain::HashKind;
     use crate::copy::{CopyOptions, GpuPool, PageCopier};
     use crate::cuda::Layer;
     use crate::hostmem::HostPool;
@@ -325,15 +324,10 @@ mod tests {
         let exec =
             Executor::new(copier(gpu.as_mut_ptr() as u64, blocks, PAGE, pages), None, states, true, false).unwrap();
         let cfg = Config {
-            page_slots,
-            state_slots,
-            block_size: BS,
-            keep_tokens: 1,
             min_hit_tokens: BS,
             state_lookback_blocks: 2,
             ring_slack: 100,
-            hash_kind: HashKind::Blake3,
-            hash_key: Vec::new(),
+            ..Config::new(page_slots, state_slots, BS)
         };
         let index = StdArc::new(Mutex::new(Index::new(cfg, page_slots, state_slots).unwrap()));
         (gpu, staging, Cache::new(index, exec).unwrap())

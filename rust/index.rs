@@ -6,6 +6,8 @@ use std::collections::HashMap;
 
 use crate::chain::{BlockHasher, Chain, Check, HashKind, Key, TokenIds};
 use crate::error::{invalid, Error, Result};
+use crate::events::{Event, EventLog, Medium};
+use crate::policy::Policy;
 use crate::pool::Pool;
 use crate::stats::Stats;
 
@@ -24,9 +26,30 @@ pub struct Config {
     pub ring_slack: usize,
     pub hash_kind: HashKind,
     pub hash_key: Vec<u8>,
+    /// How both pools pick what to evict.
+    pub eviction_policy: Policy,
+    /// KV events kept until taken (0: none recorded).
+    pub event_buffer: usize,
 }
 
 impl Config {
+    /// The defaults of `kvtier.IndexConfig` for a pool size and block size.
+    pub fn new(page_slots: u32, state_slots: u32, block_size: usize) -> Self {
+        Self {
+            page_slots,
+            state_slots,
+            block_size,
+            keep_tokens: 1,
+            min_hit_tokens: 2 * block_size,
+            state_lookback_blocks: 4,
+            ring_slack: 0,
+            hash_kind: HashKind::Blake3,
+            hash_key: Vec::new(),
+            eviction_policy: Policy::Lru,
+            event_buffer: 0,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.page_slots == 0 {
             return Err(invalid("page_slots must be > 0, got 0"));
@@ -146,6 +169,7 @@ pub struct Index {
     /// The model version every key is derived under (empty: none named), and how many times it changed.
     model_version: Vec<u8>,
     epoch: u64,
+    events: EventLog,
 }
 
 impl Index {
@@ -154,14 +178,15 @@ impl Index {
         cfg.validate()?;
         Ok(Self {
             hasher: BlockHasher::new(cfg.hash_kind, &cfg.hash_key),
-            pages: Pool::new(cfg.page_slots, usable_pages),
-            states: Pool::new(cfg.state_slots, usable_states),
+            pages: Pool::with_policy(cfg.page_slots, usable_pages, cfg.eviction_policy),
+            states: Pool::with_policy(cfg.state_slots, usable_states, cfg.eviction_policy),
             requests: HashMap::new(),
             tickets: HashMap::new(),
             next_ticket: 1,
             stats: Stats::default(),
             model_version: Vec::new(),
             epoch: 0,
+            events: EventLog::new(cfg.event_buffer),
             cfg,
         })
     }
@@ -177,7 +202,8 @@ impl Index {
         }
         self.model_version = version.to_vec();
         self.epoch += 1;
-        self.pages.retire_all();
+        let dropped = self.pages.retire_all();
+        self.events.record(true, Medium::Cpu, dropped);
         self.states.retire_all();
         self.stats.model_versions += 1;
         true
@@ -238,6 +264,7 @@ impl Index {
             ("states_evictable", st.evictable() as u64),
             ("in_flight", self.tickets.len() as u64),
             ("requests", self.requests.len() as u64),
+            ("events_dropped", self.events_dropped()),
         ]
     }
 
@@ -519,7 +546,8 @@ impl Index {
         };
         missing.truncate(take);
         let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
-        let (new_slots, _) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+        let (new_slots, evicted) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+        self.events.record(true, Medium::Cpu, evicted);
         pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
         pages.sort_unstable_by_key(|p| p.0);
 
@@ -550,7 +578,7 @@ impl Index {
         fn acquire_ready(pool: &mut Pool, keys: &[Key], held: &mut Vec<(u32, bool)>) -> Result<Vec<Option<u32>>> {
             keys.iter()
                 .map(|&k| match pool.ready_slot(k) {
-                    Some(s) => pool.acquire(s).map(|()| {
+                    Some(s) => pool.hold(s).map(|()| {
                         held.push((s, false));
                         Some(s)
                     }),
@@ -578,7 +606,8 @@ impl Index {
         if new_pages.len() > self.pages.available() || new_states.len() > self.states.available() {
             return Ok(None);
         }
-        let (page_new_slots, _) = self.pages.reserve(&new_pages).expect("checked available()");
+        let (page_new_slots, evicted) = self.pages.reserve(&new_pages).expect("checked available()");
+        self.events.record(true, Medium::Cpu, evicted);
         let (state_new_slots, _) = self.states.reserve(&new_states).expect("checked available()");
         let pick = |pool: &Pool, keys: &[Key], fresh: &[Key]| -> Vec<Option<u32>> {
             keys.iter().map(|k| if fresh.contains(k) { pool.slot_of(*k) } else { None }).collect()
@@ -619,13 +648,19 @@ impl Index {
             return Ok(None);
         }
         let stored = matches!(t.kind, TicketKind::Store { .. });
+        let (mut resident, mut removed) = (Vec::new(), Vec::new());
         for &(s, new) in t.pages.iter().rev() {
             if new {
                 self.pages.mark_ready(s)?;
                 self.stats.pages_stored += u64::from(stored);
+                resident.extend(self.pages.entry(s).map(|e| e.key));
             }
-            self.pages.release(s)?;
+            // A retired entry met again (the version set back to an earlier one) is dropped at its last release.
+            removed.extend(self.pages.release(s)?);
         }
+        resident.reverse();
+        self.events.record(false, Medium::Cpu, resident);
+        self.events.record(true, Medium::Cpu, removed);
         for &(s, new) in &t.states {
             if new {
                 self.states.mark_ready(s)?;
@@ -665,23 +700,46 @@ impl Index {
         Ok(())
     }
 
-    /// Discards a ticket's new entries and releases the entries it held.
+    /// Discards a ticket's new entries and releases the entries it held; a retired page dropped at its last
+    /// release is announced removed (states are not announced: a state key is no block hash).
     fn drop_ticket(&mut self, t: &Ticket) -> Result<()> {
-        for (pool, entries) in [(&mut self.pages, &t.pages), (&mut self.states, &t.states)] {
-            for &(s, new) in entries {
-                if new {
-                    pool.discard(s)?;
-                } else {
-                    pool.release(s)?;
-                }
+        let removed = Self::drop_entries(&mut self.pages, &t.pages)?;
+        self.events.record(true, Medium::Cpu, removed);
+        Self::drop_entries(&mut self.states, &t.states)?;
+        Ok(())
+    }
+
+    fn drop_entries(pool: &mut Pool, entries: &[(u32, bool)]) -> Result<Vec<Key>> {
+        let mut removed = Vec::new();
+        for &(s, new) in entries {
+            if new {
+                pool.discard(s)?;
+            } else {
+                removed.extend(pool.release(s)?);
             }
         }
-        Ok(())
+        Ok(removed)
     }
 
     /// The request is gone: drop its chain. Returns whether it was known.
     pub fn forget(&mut self, request_id: &str) -> bool {
         self.requests.remove(request_id).is_some()
+    }
+
+    /// The KV events recorded since the last take, oldest first: host pages made ready (stores and L3 fetches)
+    /// and evicted, and what the L3 tier reported (`record_storage`).
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.events.take()
+    }
+
+    /// Events dropped from a full log because nobody took them.
+    pub fn events_dropped(&self) -> u64 {
+        self.events.dropped()
+    }
+
+    /// The L3 tier stored (or found gone, `removed`) the objects holding these pages.
+    pub fn record_storage(&mut self, removed: bool, keys: Vec<Key>) {
+        self.events.record(removed, Medium::Storage, keys);
     }
 
     /// Counts an error the caller handled (a failed copy launch, a callback that raised).
@@ -722,17 +780,7 @@ mod tests {
     use super::*;
 
     fn config(pages: u32, states: u32, block_size: usize) -> Config {
-        Config {
-            page_slots: pages,
-            state_slots: states,
-            block_size,
-            keep_tokens: 1,
-            min_hit_tokens: 0,
-            state_lookback_blocks: 4,
-            ring_slack: 100,
-            hash_kind: HashKind::Blake3,
-            hash_key: Vec::new(),
-        }
+        Config { min_hit_tokens: 0, ring_slack: 100, ..Config::new(pages, states, block_size) }
     }
 
     fn index(pages: u32, states: u32) -> Index {
@@ -1044,14 +1092,19 @@ mod fuzz {
             keep in 1usize..6,
             slack in 0usize..24,
             kind in prop_oneof![Just(HashKind::Blake3), Just(HashKind::Xxh3)],
+            policy in prop_oneof![Just(Policy::Lru), Just(Policy::Adaptive)],
         ) {
             let cfg = Config {
                 page_slots: pages, state_slots: states, block_size: 4, keep_tokens: keep, min_hit_tokens: 4,
                 state_lookback_blocks: 3, ring_slack: slack, hash_kind: kind, hash_key: b"k".to_vec(),
+                eviction_policy: policy, event_buffer: 1 << 16,
             };
             let mut ix = Index::new(cfg, pages / 2, states).unwrap();
             let mut tickets: Vec<u64> = Vec::new();
             let mut prompts = HashMap::new();
+            // The host pages as the events tell them, and the next sequence number expected.
+            let mut resident = std::collections::HashSet::new();
+            let mut seq = 0;
             for op in ops {
                 match op {
                     Op::Lookup { rid, prompt, load } => {
@@ -1101,9 +1154,16 @@ mod fuzz {
                         let rid = format!("r{rid}");
                         let t = tokens(prompt.0, prompt.1);
                         let before = ix.keys(&rid).map(<[Key]>::to_vec).ok();
+                        // lookup checks the first and last blocks; verify (before a load) and store check all.
                         match ix.lookup(&rid, b"", &t) {
                             Ok(_) => {
-                                prompts.insert(rid, t);
+                                if ix.verify(&rid, b"", &t).is_ok() {
+                                    prompts.insert(rid, t);
+                                } else {
+                                    // Refused by the full check: the engine forgets the id.
+                                    prop_assert!(ix.forget(&rid));
+                                    prompts.remove(&rid);
+                                }
                             }
                             Err(Error::PromptMismatch { .. }) => {
                                 prop_assert_eq!(ix.keys(&rid).map(<[Key]>::to_vec).ok(), before, "a refused call changes nothing");
@@ -1120,6 +1180,16 @@ mod fuzz {
                     Op::Finish { .. } => {}
                 }
                 ix.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                for e in ix.take_events() {
+                    prop_assert_eq!((e.seq, e.medium), (seq, Medium::Cpu));
+                    seq += 1;
+                    for k in e.keys {
+                        prop_assert!(if e.removed { resident.remove(&k) } else { resident.insert(k) }, "event {} of {:x}", e.seq, k);
+                    }
+                }
+                let ready: std::collections::HashSet<Key> = ix.pages().slots_handed_out()
+                    .filter_map(|s| ix.pages().entry(s)).filter(|e| e.ready).map(|e| e.key).collect();
+                prop_assert_eq!(&resident, &ready, "the events give the ready pages");
             }
             for t in tickets {
                 ix.complete(t).unwrap();

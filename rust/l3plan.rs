@@ -96,6 +96,8 @@ pub struct Object {
     pub kind: ObjectKind,
     /// `(address, bytes)`: the header, then the payload pieces in order.
     pub pieces: Vec<(usize, usize)>,
+    /// The chain keys of a group's pages, in order (none for a state): what its KV events name.
+    pub pages: Vec<Key>,
 }
 
 impl Object {
@@ -387,6 +389,7 @@ impl Planner {
                     chain_key,
                     kind: ObjectKind::Group,
                     pieces: slots.iter().map(|&s| (self.page_ptr(s), self.host.page_bytes)).collect(),
+                    pages: keys[j * g..(j + 1) * g].to_vec(),
                 }),
                 None => {
                     self.seen.remove(chain_key); // a page left the host: a later store may put the group
@@ -400,6 +403,7 @@ impl Planner {
                     chain_key: k,
                     kind: ObjectKind::State,
                     pieces: vec![(self.state_ptr(*s), self.host.state_bytes)],
+                    pages: Vec::new(),
                 }),
                 None => {
                     self.seen.remove(k ^ STATE_ID);
@@ -527,16 +531,24 @@ impl Planner {
                 };
                 all.push((at, self.host.page_bytes));
             }
+            let first = (probe.g0 + i) * g;
             objects.push(Object {
                 key: self.group_key(end(i)),
                 chain_key: end(i),
                 kind: ObjectKind::Group,
                 pieces: all,
+                pages: probe.keys[first..first + g].to_vec(),
             });
         }
         if let (Some(k), Some(Some(s))) = (state_at, slots.state_slots.first()) {
             let pieces = vec![(self.fetch_headers.take(), HEADER_BYTES), (self.state_ptr(*s), self.host.state_bytes)];
-            objects.push(Object { key: self.state_key(k), chain_key: k, kind: ObjectKind::State, pieces });
+            objects.push(Object {
+                key: self.state_key(k),
+                chain_key: k,
+                kind: ObjectKind::State,
+                pieces,
+                pages: Vec::new(),
+            });
         }
         for o in &objects {
             self.seen.insert(o.seen_id()); // unseen again unless the object checks (`verify`, `unsee`)
@@ -613,15 +625,11 @@ mod tests {
 
     fn setup_wire(g: usize, page_slots: u32, state_slots: u32, staging: Option<usize>) -> (Index, Host, Planner) {
         let cfg = Config {
-            page_slots,
-            state_slots,
-            block_size: 4,
-            keep_tokens: 1,
             min_hit_tokens: 0,
             state_lookback_blocks: 8,
             ring_slack: 1000,
             hash_kind: HashKind::Xxh3,
-            hash_key: Vec::new(),
+            ..Config::new(page_slots, state_slots, 4)
         };
         let ix = Index::new(cfg, page_slots, state_slots).unwrap();
         let host = Host { pages: vec![0; page_slots as usize * 32], states: vec![0; state_slots.max(1) as usize * 16] };

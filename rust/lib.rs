@@ -5,12 +5,14 @@ pub mod chain;
 pub mod copy;
 pub mod cuda;
 pub mod error;
+pub mod events;
 pub mod executor;
 pub mod hostmem;
 pub mod index;
 pub mod l3;
 pub mod l3plan;
 pub mod order;
+pub mod policy;
 pub mod pool;
 pub mod stats;
 

@@ -1,8 +1,11 @@
-//! A fixed set of host slots with LRU eviction, where only evictable entries sit in the eviction order.
+//! A fixed set of host slots with an eviction policy (rust/policy.rs), where only evictable entries sit in the
+//! eviction lists.
 //!
-//! An entry leaves the LRU list when it is acquired (refs 0 -> 1) or while it is not ready, and re-enters at the
-//! most-recent end when it is ready with refs back at 0 (released), so eviction pops the least-recent end in O(1)
-//! and never walks past an entry in use. Entries live in a slab indexed by slot; the list links are slot indices.
+//! An entry leaves its list when it is acquired (refs 0 -> 1) or while it is not ready, and re-enters at the
+//! most-recent end of its list when it is ready with refs back at 0 (released), so eviction pops a list's
+//! least-recent end in O(1) and never walks past an entry in use. Entries live in a slab indexed by slot; the list
+//! links are slot indices. An acquisition is a *use* (a hit, a re-store); a hold (an L3 put reading the entry) is
+//! not: under the adaptive policy a use moves a probation entry to protected when it is released.
 //!
 //! The bookkeeping grows with the slots handed out, not with the capacity: a pool of two billion slots costs
 //! nothing until its slots are used (slots never used are a counter, not a list).
@@ -15,8 +18,14 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::chain::Key;
 use crate::error::{Error, Result};
+use crate::policy::{Ghosts, Policy, TARGET_UNIT};
 
 const NIL: u32 = u32::MAX;
+
+/// The list of entries not used since they came in (the only list of `lru`).
+const PROBATION: usize = 0;
+/// The adaptive policy's list of entries used again.
+const PROTECTED: usize = 1;
 
 /// Keys are uniform 128-bit hashes already: hash them by their low 64 bits.
 #[derive(Default)]
@@ -44,10 +53,16 @@ pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
 struct Slot {
     /// The entry in this slot, if any.
     entry: Option<Entry>,
-    /// The pool's epoch when the entry was reserved.
-    epoch: u32,
     prev: u32,
     next: u32,
+    /// The list the entry belongs to (listed or not).
+    list: usize,
+    /// Acquired for a use since it was last listed.
+    used: bool,
+    /// When it was last listed (the pool's clock): the adaptive policy compares the two lists' heads by it.
+    listed_at: u64,
+    /// The pool's epoch when the entry was reserved.
+    epoch: u32,
 }
 
 /// What a used slot holds.
@@ -60,8 +75,30 @@ pub struct Entry {
     pub ready: bool,
 }
 
+#[derive(Clone, Copy, Debug)]
+struct List {
+    head: u32,
+    tail: u32,
+    /// Entries of the list, listed or not (acquired, not ready).
+    members: usize,
+}
+
+/// A pool's lists, ghosts and target as the policy keeps them (tests and `Index.page_policy()` read it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyState {
+    /// Evictable keys of each list, least recent first.
+    pub probation: Vec<Key>,
+    pub protected: Vec<Key>,
+    /// Ghost keys of each list, oldest first.
+    pub probation_ghosts: Vec<Key>,
+    pub protected_ghosts: Vec<Key>,
+    /// Target size of probation, in sixteenths of a slot.
+    pub target: u64,
+}
+
 #[derive(Debug)]
 pub struct Pool {
+    policy: Policy,
     /// Slots handed out at least once (slot i at index i); slots `slots.len()..usable` were never used.
     slots: Vec<Slot>,
     capacity: u32,
@@ -70,8 +107,11 @@ pub struct Pool {
     map: KeyMap<u32>,
     /// Slots freed after use (evicted to `evict_one`, discarded), taken again last-freed first before fresh ones.
     free: Vec<u32>,
-    head: u32,
-    tail: u32,
+    lists: [List; 2],
+    ghosts: [Ghosts; 2],
+    /// Probation's target size (adaptive), in sixteenths of a slot.
+    target: u64,
+    clock: u64,
     evictable: usize,
     evicted: u64,
     epoch: u32,
@@ -80,16 +120,26 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// A pool of `capacity` slots, of which the first `usable` can be handed out now.
+    /// An LRU pool of `capacity` slots, of which the first `usable` can be handed out now.
     pub fn new(capacity: u32, usable: u32) -> Self {
+        Self::with_policy(capacity, usable, Policy::Lru)
+    }
+
+    /// A pool of `capacity` slots evicting by `policy`, of which the first `usable` can be handed out now.
+    pub fn with_policy(capacity: u32, usable: u32, policy: Policy) -> Self {
+        let list = List { head: NIL, tail: NIL, members: 0 };
+        let ghost_bound = if policy == Policy::Adaptive { capacity as usize } else { 0 };
         let mut pool = Self {
+            policy,
             slots: Vec::new(),
             capacity,
             usable: 0,
             map: KeyMap::default(),
             free: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            lists: [list; 2],
+            ghosts: [Ghosts::new(ghost_bound), Ghosts::new(ghost_bound)],
+            target: u64::from(capacity) * TARGET_UNIT / 2,
+            clock: 0,
             evictable: 0,
             evicted: 0,
             epoch: 0,
@@ -105,6 +155,9 @@ impl Pool {
         self.usable = self.usable.max(usable);
     }
 
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
@@ -137,7 +190,15 @@ impl Pool {
         if self.fresh() == 0 {
             return None;
         }
-        self.slots.push(Slot { entry: None, epoch: 0, prev: NIL, next: NIL });
+        self.slots.push(Slot {
+            entry: None,
+            prev: NIL,
+            next: NIL,
+            list: PROBATION,
+            used: false,
+            listed_at: 0,
+            epoch: self.epoch,
+        });
         Some(self.slots.len() as u32 - 1)
     }
     pub fn evictable(&self) -> usize {
@@ -151,18 +212,19 @@ impl Pool {
     }
 
     /// Starts a new epoch (the bytes behind every key changed meaning: the model was updated): every evictable
-    /// entry is dropped now; an entry still in use keeps its slot until its last release, never becomes ready, and
-    /// is dropped then. Returns the entries dropped now.
-    pub fn retire_all(&mut self) -> usize {
+    /// entry is dropped now, and the ghosts with them; an entry still in use keeps its slot until its last release,
+    /// never becomes ready, and is dropped then. Returns the entries dropped now.
+    pub fn retire_all(&mut self) -> Vec<Key> {
         self.epoch = self.epoch.wrapping_add(1);
-        let mut n = 0;
-        while let Some((slot, _)) = self.pop_lru() {
-            self.evicted -= 1; // not an eviction: counted as retired
-            self.free.push(slot);
-            n += 1;
+        let mut dropped = Vec::new();
+        while let Some(list) = self.victim_list() {
+            let slot = self.lists[list].head;
+            self.unlink(slot);
+            dropped.extend(self.drop_entry(slot));
         }
-        self.retired += n as u64;
-        n
+        self.ghosts.iter_mut().for_each(Ghosts::clear);
+        self.retired += dropped.len() as u64;
+        dropped
     }
 
     /// Whether the entry in `slot` was reserved before the last `retire_all`.
@@ -170,11 +232,15 @@ impl Pool {
         self.slots.get(slot as usize).is_some_and(|s| s.epoch != self.epoch)
     }
 
-    /// Empties a slot whose entry has no references, returning it to the free slots.
-    fn drop_entry(&mut self, slot: u32) {
-        let entry = self.slots[slot as usize].entry.take().expect("a used slot");
+    /// Empties a slot whose entry is in no list, returning it to the free slots; the key of an entry that was
+    /// ready (whose removal a KV event announces).
+    fn drop_entry(&mut self, slot: u32) -> Option<Key> {
+        let s = &mut self.slots[slot as usize];
+        let entry = s.entry.take().expect("a used slot");
+        self.lists[s.list].members -= 1;
         self.map.remove(&entry.key);
         self.free.push(slot);
+        entry.ready.then_some(entry.key)
     }
 
     pub fn slot_of(&self, key: Key) -> Option<u32> {
@@ -195,9 +261,9 @@ impl Pool {
         self.free() + self.evictable
     }
 
-    /// Takes one slot for each of `keys` (none may be present), evicting least-recent entries as needed: all of
-    /// them or, when not enough slots are free or evictable, none (and nothing is evicted). New entries are acquired
-    /// (refs 1) and not ready. Returns the slots and the keys evicted.
+    /// Takes one slot for each of `keys` (none may be present), evicting entries as the policy says: all of
+    /// them or, when not enough slots are free or evictable, none (and nothing is evicted, nothing adapts). New
+    /// entries are acquired (refs 1) and not ready. Returns the slots and the keys evicted.
     pub fn reserve(&mut self, keys: &[Key]) -> Option<(Vec<u32>, Vec<Key>)> {
         if keys.len() > self.available() {
             return None;
@@ -206,45 +272,95 @@ impl Pool {
         let mut slots = Vec::with_capacity(keys.len());
         let mut evicted = Vec::new();
         for &key in keys {
+            let list = self.admit(key);
             let slot = match self.take_free() {
                 Some(s) => s,
                 None => {
-                    let (s, old) = self.pop_lru().expect("available() counted an evictable entry");
+                    let (s, old) = self.pop_victim().expect("available() counted an evictable entry");
                     evicted.push(old);
                     s
                 }
             };
             let s = &mut self.slots[slot as usize];
             s.entry = Some(Entry { key, refs: 1, ready: false });
+            s.list = list;
+            s.used = false;
             s.epoch = self.epoch;
+            self.lists[list].members += 1;
             self.map.insert(key, slot);
             slots.push(slot);
         }
         Some((slots, evicted))
     }
 
-    /// Evicts the least-recently-used evictable entry; its slot becomes free. Returns its key.
+    /// The list a new entry of `key` joins; a key back from a ghost list moves the adaptive target (ARC's step,
+    /// `max(1, other ghosts / these ghosts)`, in sixteenths of a slot) and joins protected.
+    fn admit(&mut self, key: Key) -> usize {
+        if self.policy == Policy::Lru {
+            return PROBATION;
+        }
+        let top = u64::from(self.capacity) * TARGET_UNIT;
+        for (list, other) in [(PROBATION, PROTECTED), (PROTECTED, PROBATION)] {
+            if self.ghosts[list].contains(key) {
+                let step = (self.ghosts[other].len() / self.ghosts[list].len()).max(1) as u64;
+                self.target =
+                    if list == PROBATION { (self.target + step).min(top) } else { self.target.saturating_sub(step) };
+                self.ghosts[list].remove(key);
+                return PROTECTED;
+            }
+        }
+        PROBATION
+    }
+
+    /// Evicts the entry the policy picks; its slot becomes free. Returns its key.
     pub fn evict_one(&mut self) -> Option<Key> {
-        let (slot, key) = self.pop_lru()?;
+        let (slot, key) = self.pop_victim()?;
         self.free.push(slot);
         Some(key)
     }
 
-    /// Takes the least-recently-used evictable entry out, leaving its slot to the caller.
-    fn pop_lru(&mut self) -> Option<(u32, Key)> {
-        let slot = self.head;
-        if slot == NIL {
-            return None;
+    /// The list to evict from: probation while it is over its target, else the less recently listed head.
+    fn victim_list(&self) -> Option<usize> {
+        let (a, b) = (self.lists[PROBATION].head, self.lists[PROTECTED].head);
+        match (a != NIL, b != NIL) {
+            (false, false) => None,
+            (true, false) => Some(PROBATION),
+            (false, true) => Some(PROTECTED),
+            (true, true) => {
+                let over = self.lists[PROBATION].members as u64 * TARGET_UNIT > self.target;
+                let older = self.slots[a as usize].listed_at < self.slots[b as usize].listed_at;
+                Some(if over || older { PROBATION } else { PROTECTED })
+            }
         }
+    }
+
+    /// Takes the evictable entry the policy picks out, leaving its slot to the caller; its key becomes a ghost
+    /// of its list (adaptive).
+    fn pop_victim(&mut self) -> Option<(u32, Key)> {
+        let list = self.victim_list()?;
+        let slot = self.lists[list].head;
         self.unlink(slot);
         let entry = self.slots[slot as usize].entry.take().expect("listed slot has an entry");
+        self.lists[list].members -= 1;
         self.map.remove(&entry.key);
+        self.ghosts[list].insert(entry.key);
         self.evicted += 1;
         Some((slot, entry.key))
     }
 
-    /// Takes a reference: the entry leaves the eviction order.
+    /// Takes a reference for a use (a hit, a re-store): the entry leaves the eviction order.
     pub fn acquire(&mut self, slot: u32) -> Result<()> {
+        self.take_ref(slot)?;
+        self.slots[slot as usize].used = true;
+        Ok(())
+    }
+
+    /// Takes a reference that is no use of the entry (an L3 put reads it): the entry leaves the eviction order.
+    pub fn hold(&mut self, slot: u32) -> Result<()> {
+        self.take_ref(slot)
+    }
+
+    fn take_ref(&mut self, slot: u32) -> Result<()> {
         let e = self.entry_mut(slot)?;
         e.refs += 1;
         let listed = e.refs == 1 && e.ready;
@@ -254,9 +370,9 @@ impl Pool {
         Ok(())
     }
 
-    /// Drops a reference; an entry that is ready with no references re-enters at the most-recent end (an entry of
-    /// an earlier epoch is dropped instead).
-    pub fn release(&mut self, slot: u32) -> Result<()> {
+    /// Drops a reference; an entry that is ready with no references re-enters its list at the most-recent end (an
+    /// entry of an earlier epoch is dropped instead: its key is returned when it was ready).
+    pub fn release(&mut self, slot: u32) -> Result<Option<Key>> {
         let retired = self.is_retired(slot);
         let e = self.entry_mut(slot)?;
         if e.refs == 0 {
@@ -265,12 +381,24 @@ impl Pool {
         e.refs -= 1;
         let (free, ready) = (e.refs == 0, e.ready);
         if free && retired {
-            self.drop_entry(slot);
             self.retired += 1;
-        } else if free && ready {
-            self.push_back(slot);
+            return Ok(self.drop_entry(slot));
         }
-        Ok(())
+        if free && ready {
+            self.relist(slot);
+        }
+        Ok(None)
+    }
+
+    /// Lists an evictable entry at the most-recent end of its list; a used probation entry moves to protected.
+    fn relist(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if std::mem::take(&mut s.used) && s.list == PROBATION && self.policy == Policy::Adaptive {
+            s.list = PROTECTED;
+            self.lists[PROBATION].members -= 1;
+            self.lists[PROTECTED].members += 1;
+        }
+        self.push_back(slot);
     }
 
     /// Marks an acquired entry's host copy complete (it stays acquired until released). An entry of an earlier
@@ -285,7 +413,8 @@ impl Pool {
         Ok(())
     }
 
-    /// Removes an acquired, not-ready entry whose copy failed; its slot becomes free.
+    /// Removes an acquired, not-ready entry whose copy failed; its slot becomes free (no ghost: it never held
+    /// anything).
     pub fn discard(&mut self, slot: u32) -> Result<()> {
         let e = *self.entry_mut(slot)?;
         if e.ready || e.refs != 1 {
@@ -295,23 +424,49 @@ impl Pool {
         Ok(())
     }
 
-    /// Moves an evictable entry to the most-recent end (a hit or a re-store).
+    /// A use of an evictable entry without a reference: it moves to the most-recent end (to protected, adaptive).
     pub fn touch(&mut self, slot: u32) {
         if self.entry(slot).is_some_and(|e| e.refs == 0 && e.ready) {
             self.unlink(slot);
-            self.push_back(slot);
+            self.slots[slot as usize].used = true;
+            self.relist(slot);
         }
     }
 
-    /// Keys in eviction order, least recent first.
-    pub fn lru_keys(&self) -> Vec<Key> {
-        let mut out = Vec::with_capacity(self.evictable);
-        let mut s = self.head;
+    fn list_keys(&self, list: usize) -> Vec<Key> {
+        let mut out = Vec::new();
+        let mut s = self.lists[list].head;
         while s != NIL {
             out.push(self.slots[s as usize].entry.expect("listed slot has an entry").key);
             s = self.slots[s as usize].next;
         }
         out
+    }
+
+    /// Evictable keys, least recently listed first (both lists merged).
+    pub fn lru_keys(&self) -> Vec<Key> {
+        let mut out: Vec<(u64, Key)> = Vec::with_capacity(self.evictable);
+        for list in [PROBATION, PROTECTED] {
+            let mut s = self.lists[list].head;
+            while s != NIL {
+                let slot = &self.slots[s as usize];
+                out.push((slot.listed_at, slot.entry.expect("listed slot has an entry").key));
+                s = slot.next;
+            }
+        }
+        out.sort_unstable_by_key(|&(at, _)| at);
+        out.into_iter().map(|(_, k)| k).collect()
+    }
+
+    /// The lists, ghosts and target of the policy (for tests and `Index.policy_state`).
+    pub fn policy_state(&self) -> PolicyState {
+        PolicyState {
+            probation: self.list_keys(PROBATION),
+            protected: self.list_keys(PROTECTED),
+            probation_ghosts: self.ghosts[PROBATION].keys(),
+            protected_ghosts: self.ghosts[PROTECTED].keys(),
+            target: self.target,
+        }
     }
 
     /// Every structural invariant; used by tests and by `Index::check`.
@@ -333,6 +488,9 @@ impl Pool {
             if self.slots[slot as usize].entry.map(|e| e.key) != Some(key) {
                 return fail(format!("key {key:032x} maps to slot {slot} holding another key"));
             }
+            if self.ghosts.iter().any(|g| g.contains(key)) {
+                return fail(format!("resident key {key:032x} is also a ghost"));
+            }
         }
         let mut seen = vec![false; self.slots.len()];
         for &s in &self.free {
@@ -343,15 +501,32 @@ impl Pool {
                 return fail(format!("free slot {s} is unusable, used or listed twice"));
             }
         }
-        let listed = self.lru_keys();
+        let mut listed = 0;
+        for list in [PROBATION, PROTECTED] {
+            let members = self.slots.iter().filter(|s| s.entry.is_some() && s.list == list).count();
+            if members != self.lists[list].members {
+                return fail(format!("list {list} counts {} members, has {members}", self.lists[list].members));
+            }
+            let (mut s, mut last) = (self.lists[list].head, 0);
+            while s != NIL {
+                let slot = &self.slots[s as usize];
+                if slot.list != list || slot.listed_at < last || !slot.entry.is_some_and(|e| e.refs == 0 && e.ready) {
+                    return fail(format!("slot {s} is out of place in list {list}"));
+                }
+                (last, s, listed) = (slot.listed_at, slot.next, listed + 1);
+            }
+        }
         let should = self.slots.iter().filter(|s| s.entry.is_some_and(|e| e.refs == 0 && e.ready)).count();
-        if listed.len() != should || listed.len() != self.evictable {
-            return fail(format!(
-                "LRU lists {} entries, {} are evictable, counter {}",
-                listed.len(),
-                should,
-                self.evictable
-            ));
+        if listed != should || listed != self.evictable {
+            return fail(format!("lists hold {listed} entries, {should} are evictable, counter {}", self.evictable));
+        }
+        let bound = if self.policy == Policy::Adaptive { self.capacity as usize } else { 0 };
+        if self.ghosts.iter().any(|g| g.len() > bound)
+            || self.ghosts[PROBATION].keys().iter().any(|&k| self.ghosts[PROTECTED].contains(k))
+            || (self.policy == Policy::Lru && self.lists[PROTECTED].members > 0)
+            || self.target > u64::from(self.capacity) * TARGET_UNIT
+        {
+            return fail("ghost lists over their bound or shared, or the target out of range".to_owned());
         }
         Ok(())
     }
@@ -364,17 +539,17 @@ impl Pool {
     }
 
     fn unlink(&mut self, slot: u32) {
-        let (prev, next) = {
+        let (prev, next, list) = {
             let s = &self.slots[slot as usize];
-            (s.prev, s.next)
+            (s.prev, s.next, s.list)
         };
         if prev == NIL {
-            self.head = next;
+            self.lists[list].head = next;
         } else {
             self.slots[prev as usize].next = next;
         }
         if next == NIL {
-            self.tail = prev;
+            self.lists[list].tail = prev;
         } else {
             self.slots[next as usize].prev = prev;
         }
@@ -385,18 +560,20 @@ impl Pool {
     }
 
     fn push_back(&mut self, slot: u32) {
-        let tail = self.tail;
-        {
-            let s = &mut self.slots[slot as usize];
-            s.prev = tail;
-            s.next = NIL;
-        }
+        let clock = self.clock;
+        self.clock += 1;
+        let s = &mut self.slots[slot as usize];
+        let list = s.list;
+        let tail = self.lists[list].tail;
+        s.prev = tail;
+        s.next = NIL;
+        s.listed_at = clock;
         if tail == NIL {
-            self.head = slot;
+            self.lists[list].head = slot;
         } else {
             self.slots[tail as usize].next = slot;
         }
-        self.tail = slot;
+        self.lists[list].tail = slot;
         self.evictable += 1;
     }
 }
@@ -405,6 +582,7 @@ impl Pool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn ready(pool: &mut Pool, keys: &[Key]) -> Vec<u32> {
         let (slots, _) = pool.reserve(keys).unwrap();
@@ -483,6 +661,273 @@ mod tests {
         assert!(p.mark_ready(s).is_err());
     }
 
+    #[test]
+    fn adaptive_protects_what_was_used_twice_from_a_scan() {
+        // Probation (6 entries) is over its target (4): a scan evicts from probation only.
+        let mut p = Pool::with_policy(8, 8, Policy::Adaptive);
+        ready(&mut p, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        for k in [1, 2] {
+            let s = p.slot_of(k).unwrap();
+            p.acquire(s).unwrap();
+            p.release(s).unwrap();
+        }
+        for scan in 10..30 {
+            ready(&mut p, &[scan]);
+        }
+        let st = p.policy_state();
+        assert_eq!(st.protected, vec![1, 2], "a scan flushed the reused entries");
+        assert_eq!(st.probation, (24..30).collect::<Vec<Key>>());
+        assert_eq!(st.probation_ghosts.len(), 8, "ghosts are bounded by the capacity");
+        p.check().unwrap();
+
+        let mut lru = Pool::new(8, 8);
+        ready(&mut lru, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        for scan in 10..30 {
+            ready(&mut lru, &[scan]);
+        }
+        assert!(lru.slot_of(1).is_none(), "LRU keeps the scan");
+    }
+
+    #[test]
+    fn adaptive_with_a_full_target_is_lru() {
+        let mut p = Pool::with_policy(3, 3, Policy::Adaptive);
+        ready(&mut p, &[1, 2, 3]);
+        for k in [1, 2] {
+            p.touch(p.slot_of(k).unwrap());
+        }
+        // Probation {3} is under its target (1.5 slots): the least recent head of the two lists goes.
+        assert_eq!(p.evict_one(), Some(3));
+        assert_eq!(p.evict_one(), Some(1));
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn a_key_back_from_a_ghost_list_moves_the_target_and_is_protected() {
+        let mut p = Pool::with_policy(2, 2, Policy::Adaptive);
+        ready(&mut p, &[1, 2]);
+        assert_eq!(p.evict_one(), Some(1));
+        let before = p.policy_state().target;
+        ready(&mut p, &[1]);
+        let st = p.policy_state();
+        assert_eq!(st.target, before + 1, "one sixteenth of a slot");
+        assert_eq!(st.protected, vec![1]);
+        assert!(st.probation_ghosts.is_empty());
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn a_hold_is_no_use() {
+        let mut p = Pool::with_policy(2, 2, Policy::Adaptive);
+        let s = ready(&mut p, &[1])[0];
+        p.hold(s).unwrap();
+        p.release(s).unwrap();
+        assert_eq!(p.policy_state().probation, vec![1]);
+        p.acquire(s).unwrap();
+        p.release(s).unwrap();
+        assert_eq!(p.policy_state().protected, vec![1]);
+    }
+
+    /// The adaptive policy written plainly (vectors, linear scans): what `Pool` must do, step for step.
+    #[derive(Debug, Default)]
+    struct Model {
+        capacity: usize,
+        /// key -> (refs, ready, list, used)
+        entries: HashMap<Key, (u32, bool, usize, bool)>,
+        lists: [Vec<Key>; 2],
+        ghosts: [Vec<Key>; 2],
+        target: u64,
+        /// Keys in the order they were last listed, oldest first.
+        order: Vec<Key>,
+    }
+
+    impl Model {
+        fn new(capacity: usize) -> Self {
+            Self { capacity, target: capacity as u64 * 8, ..Self::default() }
+        }
+        fn members(&self, list: usize) -> usize {
+            self.entries.values().filter(|e| e.2 == list).count()
+        }
+        fn evictable(&self) -> usize {
+            self.lists[0].len() + self.lists[1].len()
+        }
+        fn reserve(&mut self, keys: &[Key]) -> Option<Vec<Key>> {
+            if keys.len() > self.capacity - self.entries.len() + self.evictable() {
+                return None;
+            }
+            let mut evicted = Vec::new();
+            for &k in keys {
+                let mut list = 0;
+                for (g, other) in [(0, 1), (1, 0)] {
+                    if let Some(i) = self.ghosts[g].iter().position(|&x| x == k) {
+                        let step = (self.ghosts[other].len() / self.ghosts[g].len()).max(1) as u64;
+                        self.target = if g == 0 {
+                            (self.target + step).min(self.capacity as u64 * 16)
+                        } else {
+                            self.target.saturating_sub(step)
+                        };
+                        self.ghosts[g].remove(i);
+                        list = 1;
+                        break;
+                    }
+                }
+                if self.entries.len() == self.capacity {
+                    evicted.push(self.evict().unwrap());
+                }
+                self.entries.insert(k, (1, false, list, false));
+            }
+            Some(evicted)
+        }
+        fn evict(&mut self) -> Option<Key> {
+            let from = match (self.lists[0].first(), self.lists[1].first()) {
+                (None, None) => return None,
+                (Some(_), None) => 0,
+                (None, Some(_)) => 1,
+                (Some(_), Some(_)) => {
+                    let over = self.members(0) as u64 * 16 > self.target;
+                    // The lists are in listing order: compare when each head was listed.
+                    let older = self.order.iter().position(|&k| k == self.lists[0][0])
+                        < self.order.iter().position(|&k| k == self.lists[1][0]);
+                    usize::from(!(over || older))
+                }
+            };
+            let k = self.lists[from].remove(0);
+            self.entries.remove(&k);
+            self.ghosts[from].push(k);
+            if self.ghosts[from].len() > self.capacity {
+                self.ghosts[from].remove(0);
+            }
+            Some(k)
+        }
+    }
+
+    impl Model {
+        fn list(&mut self, k: Key) {
+            let e = self.entries.get_mut(&k).unwrap();
+            if std::mem::take(&mut e.3) && e.2 == 0 {
+                e.2 = 1;
+            }
+            let list = e.2;
+            self.lists[list].push(k);
+            self.order.retain(|&x| x != k);
+            self.order.push(k);
+        }
+        fn unlist(&mut self, k: Key) {
+            for l in &mut self.lists {
+                l.retain(|&x| x != k);
+            }
+        }
+        fn acquire(&mut self, k: Key, used: bool) {
+            let e = self.entries.get_mut(&k).unwrap();
+            e.0 += 1;
+            e.3 |= used;
+            if e.0 == 1 && e.1 {
+                self.unlist(k);
+            }
+        }
+        fn release(&mut self, k: Key) {
+            let e = self.entries.get_mut(&k).unwrap();
+            e.0 -= 1;
+            if e.0 == 0 && e.1 {
+                self.list(k);
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum AdaptiveOp {
+        Reserve(Vec<u8>),
+        Complete(u8),
+        Fail(u8),
+        Use(u8),
+        Hold(u8),
+        Release(u8),
+        Evict,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn adaptive_pool_equals_its_plain_model(
+            ops in prop::collection::vec(prop_oneof![
+                prop::collection::vec(0u8..24, 0..5).prop_map(AdaptiveOp::Reserve),
+                any::<u8>().prop_map(AdaptiveOp::Complete),
+                any::<u8>().prop_map(AdaptiveOp::Fail),
+                any::<u8>().prop_map(AdaptiveOp::Use),
+                any::<u8>().prop_map(AdaptiveOp::Hold),
+                any::<u8>().prop_map(AdaptiveOp::Release),
+                Just(AdaptiveOp::Evict),
+            ], 1..300),
+            cap in 1u32..8,
+        ) {
+            let mut p = Pool::with_policy(cap, cap, Policy::Adaptive);
+            let mut m = Model::new(cap as usize);
+            let (mut pending, mut held): (Vec<Key>, Vec<Key>) = (Vec::new(), Vec::new());
+            for op in ops {
+                match op {
+                    AdaptiveOp::Reserve(raw) => {
+                        let mut keys: Vec<Key> = raw.iter().map(|&k| Key::from(k) + 1).collect();
+                        keys.dedup();
+                        keys.retain(|k| p.slot_of(*k).is_none());
+                        let mut uniq = Vec::new();
+                        for k in keys {
+                            if !uniq.contains(&k) {
+                                uniq.push(k);
+                            }
+                        }
+                        let got = p.reserve(&uniq).map(|(_, ev)| ev);
+                        prop_assert_eq!(&got, &m.reserve(&uniq));
+                        if got.is_some() {
+                            pending.extend(uniq);
+                        }
+                    }
+                    AdaptiveOp::Complete(i) if !pending.is_empty() => {
+                        let k = pending.swap_remove(i as usize % pending.len());
+                        let s = p.slot_of(k).unwrap();
+                        p.mark_ready(s).unwrap();
+                        p.release(s).unwrap();
+                        m.entries.get_mut(&k).unwrap().1 = true;
+                        m.release(k);
+                    }
+                    AdaptiveOp::Fail(i) if !pending.is_empty() => {
+                        let k = pending.swap_remove(i as usize % pending.len());
+                        p.discard(p.slot_of(k).unwrap()).unwrap();
+                        m.entries.remove(&k);
+                    }
+                    AdaptiveOp::Use(i) | AdaptiveOp::Hold(i) => {
+                        let mut ready: Vec<Key> = m.entries.iter().filter(|e| e.1 .1).map(|e| *e.0).collect();
+                        ready.sort_unstable();
+                        if !ready.is_empty() {
+                            let k = ready[i as usize % ready.len()];
+                            let s = p.slot_of(k).unwrap();
+                            let used = matches!(op, AdaptiveOp::Use(_));
+                            if used { p.acquire(s).unwrap() } else { p.hold(s).unwrap() }
+                            m.acquire(k, used);
+                            held.push(k);
+                        }
+                    }
+                    AdaptiveOp::Release(i) if !held.is_empty() => {
+                        let k = held.swap_remove(i as usize % held.len());
+                        p.release(p.slot_of(k).unwrap()).unwrap();
+                        m.release(k);
+                    }
+                    AdaptiveOp::Evict => prop_assert_eq!(p.evict_one(), m.evict()),
+                    _ => {}
+                }
+                p.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let st = p.policy_state();
+                prop_assert_eq!(&st.probation, &m.lists[0]);
+                prop_assert_eq!(&st.protected, &m.lists[1]);
+                prop_assert_eq!(&st.probation_ghosts, &m.ghosts[0]);
+                prop_assert_eq!(&st.protected_ghosts, &m.ghosts[1]);
+                prop_assert_eq!(st.target, m.target);
+                for (k, e) in &m.entries {
+                    prop_assert_eq!(p.entry(p.slot_of(*k).unwrap()).map(|x| (x.refs, x.ready)), Some((e.0, e.1)));
+                }
+                prop_assert_eq!(p.used(), m.entries.len());
+            }
+        }
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
         Reserve(Vec<u8>),
@@ -511,14 +956,18 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
         #[test]
-        fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..200), cap in 1u32..12) {
-            let mut p = Pool::new(cap, cap);
+        fn random_operations_keep_every_invariant(
+            ops in prop::collection::vec(op(), 1..200),
+            cap in 1u32..12,
+            policy in prop_oneof![Just(Policy::Lru), Just(Policy::Adaptive)],
+        ) {
+            let mut p = Pool::with_policy(cap, cap, policy);
+            // Pending entries of an epoch that was retired.
+            let mut retired: Vec<u32> = Vec::new();
             // Slots whose entry is held by a pending copy (not ready).
             let mut pending: Vec<u32> = Vec::new();
             // Extra references we took on ready entries.
             let mut held: Vec<u32> = Vec::new();
-            // Pending entries of an epoch that was retired.
-            let mut retired: Vec<u32> = Vec::new();
             for op in ops {
                 match op {
                     Op::Reserve(raw) => {
@@ -582,7 +1031,6 @@ mod tests {
                         p.retire_all();
                         prop_assert_eq!(p.evictable(), 0, "every evictable entry is dropped at once");
                         prop_assert!(in_use.iter().all(|&s| p.entry(s).is_some()), "entries in use keep their slots");
-                        // Whatever was in use before can never become ready: track it apart from new work.
                         retired.append(&mut pending);
                     }
                     _ => {}

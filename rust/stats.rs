@@ -121,6 +121,7 @@ pub const TABLE: &[StatInfo] = &[
     stat("states_evictable", Gauge, "Host states no copy holds (evictable)"),
     stat("in_flight", Gauge, "Index tickets (copies and L3 transfers) not yet completed"),
     stat("requests", Gauge, "Requests whose chain the index keeps (until forget)"),
+    stat("events_dropped", Counter, "KV events dropped from a full event_buffer because nobody took them"),
     stat("token_hit_rate", Gauge, "Fraction of looked-up prompt tokens served from the cache"),
     stat("disabled", Gauge, "1 when the cache disabled itself after max_errors failures"),
     stat("page_bytes", Gauge, "Bytes of one page (all layers of one KV block)"),

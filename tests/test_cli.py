@@ -96,6 +96,7 @@ SUBCOMMANDS = [
     ["bench", "overlap"],
     ["bench", "l3"],
     ["bench", "pin"],
+    ["bench", "trace"],
 ]
 
 
@@ -156,6 +157,12 @@ BAD = [
     (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
     (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
     (["soak", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),
+    (["bench", "trace"], "give a trace file or --synthetic"),
+    (["bench", "trace", "--synthetic", "zigzag"], "--synthetic: invalid choice"),
+    (["bench", "trace", "--synthetic", "agents", "--pools", "1X"], "--pools: not a token count: '1X'"),
+    (["bench", "trace", "--synthetic", "agents", "--policies", "lru,arc"], "--policies: each of lru, adaptive"),
+    (["bench", "trace", "--synthetic", "agents", "--requests", "0"], "--requests: must be >= 1"),
+    (["bench", "trace", "/nonexistent/trace.jsonl"], "No such file"),
 ]
 
 

@@ -1,6 +1,7 @@
 """The Rust index against the plain-Python model of the same rules, under random operation sequences.
 
-After every step: both agree on every plan, slot, LRU order and counter; no slot is owned by two entries; free +
+After every step, under either eviction policy: both agree on every plan, slot, eviction list, ghost list, adaptive
+target, KV event and counter; no slot is owned by two entries; free +
 used = capacity; refs never negative; no acquired or not-ready entry is ever evicted; every hit is a run of ready
 pages ending at a boundary with a ready state. Requests follow the engine contract: a request's prompt only grows
 until it is forgotten (and a reused id is refused).
@@ -53,8 +54,10 @@ class IndexMachine(RuleBasedStateMachine):
         min_hit=st.sampled_from([0, BLOCK, 2 * BLOCK]),
         lookback=st.integers(0, 4),
         slack=st.sampled_from([0, BLOCK, 3 * BLOCK, 100]),
+        policy=st.sampled_from(kvtier.EVICTION_POLICIES),
+        event_buffer=st.sampled_from([0, 2, 1000]),
     )
-    def setup(self, page_slots, state_slots, keep, min_hit, lookback, slack):
+    def setup(self, page_slots, state_slots, keep, min_hit, lookback, slack, policy, event_buffer):
         kw = dict(
             state_slots=state_slots,
             block_size=BLOCK,
@@ -62,6 +65,8 @@ class IndexMachine(RuleBasedStateMachine):
             min_hit_tokens=min_hit,
             state_lookback_blocks=lookback,
             ring_slack=slack,
+            eviction_policy=policy,
+            event_buffer=event_buffer,
         )
         config = kvtier.IndexConfig(page_slots, **kw)
         self.rust = kvtier.Index(config)
@@ -176,11 +181,57 @@ class IndexMachine(RuleBasedStateMachine):
                 assert entry(e.slot) == (key, e.refs, e.ready), (pool, e.slot)
             assert len(model.entries) + len(model.free) == n
             assert sum(entry(s) is not None for s in range(n)) == len(model.entries)
-        assert self.rust.page_lru() == list(self.model.pages.lru)
-        assert self.rust.state_lru() == list(self.model.states.lru)
+        for rust, model in ((self.rust.page_policy(), self.model.pages), (self.rust.state_policy(), self.model.states)):
+            assert rust.probation == list(model.lists[0])
+            assert rust.protected == list(model.lists[1])
+            assert rust.probation_ghosts == list(model.ghosts[0])
+            assert rust.protected_ghosts == list(model.ghosts[1])
+            assert rust.target == model.target
+        assert self.rust.page_lru() == self.model.pages.lru_order()
+        assert self.rust.state_lru() == self.model.states.lru_order()
+        got = [
+            (e.seq, e.removed, e.medium, [int.from_bytes(k, "big") for k in e.keys]) for e in self.rust.take_events()
+        ]
+        assert got == [(seq, removed, "CPU", keys) for seq, removed, keys in self.model.take_events()]
+        assert stats["events_dropped"] == self.model.events_dropped
 
 
 TestIndexMachine = IndexMachine.TestCase
+
+
+def test_adaptive_agrees_with_the_model_on_a_long_workload():
+    """A seeded workload long enough for keys to come back from both ghost lists: the target moves both ways, and
+    the Rust index and the model agree on every list, ghost and event all along."""
+    config = kvtier.IndexConfig(12, block_size=BLOCK, min_hit_tokens=0, eviction_policy="adaptive", event_buffer=64)
+    rust = kvtier.Index(config)
+    model = PyIndex(config, chain_fn=lambda rid, ns, toks: rust.chain(rid, np.asarray(toks, np.int32)))
+    rng = np.random.default_rng(7)
+    targets = set()
+    for i in range(400):
+        base, n = int(rng.integers(len(BASES))), int(rng.integers(4, 64))
+        prompt = BASES[base][:n] if rng.random() < 0.7 else rng.integers(0, 1000, size=n, dtype=np.int32)
+        rid = f"q{i}"
+        hit = rust.lookup(rid, prompt).hit_tokens
+        assert hit == model.lookup(rid, prompt.tolist())[0]
+        if hit:
+            rust.complete(rust.begin_load(rid, hit).ticket)
+            model.complete(model.begin_load(rid, hit)[0])
+        rust.complete(rust.plan_store(rid, prompt).ticket)
+        model.complete(model.plan_store(rid, prompt.tolist())[0])
+        rust.forget(rid)
+        model.forget(rid)
+        got = rust.page_policy()
+        assert (got.probation, got.protected, got.probation_ghosts, got.protected_ghosts, got.target) == (
+            list(model.pages.lists[0]),
+            list(model.pages.lists[1]),
+            list(model.pages.ghosts[0]),
+            list(model.pages.ghosts[1]),
+            model.pages.target,
+        )
+        events = [(e.seq, e.removed, [int.from_bytes(k, "big") for k in e.keys]) for e in rust.take_events()]
+        assert events == model.take_events()
+        targets.add(got.target)
+    assert min(targets) < 12 * 8 < max(targets), "keys came back from both ghost lists"
 
 
 def test_lookup_counts_a_retried_request_once():

@@ -5,10 +5,12 @@ copies them back on the engine's stream; the optional L3 tier shares them throug
 """
 
 from kvtier._core import (
+    EVICTION_POLICIES,
     KEY_SCHEME,
     CopyError,
     Index,
     IndexConfig,
+    KvEvent,
     KvtierError,
     L3Planner,
     LoadPlan,
@@ -24,10 +26,12 @@ from kvtier._core import (
 )
 
 __all__ = [
+    "EVICTION_POLICIES",
     "KEY_SCHEME",
     "CopyError",
     "Index",
     "IndexConfig",
+    "KvEvent",
     "KvtierError",
     "L3Planner",
     "LoadPlan",

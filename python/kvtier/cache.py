@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtier import Index, IndexConfig
+from kvtier import Index, IndexConfig, KvEvent
 from kvtier._core import Cache as CoreCache
 from kvtier.copy import HostPool, PageCopier, is_int, layer_views
 from kvtier.hostmem import HostMemory
@@ -185,6 +185,8 @@ class HostPrefixCache:
             ring_slack=s.ring_slack,
             hash_kind=s.hash_kind,
             hash_key=s.hash_key,
+            eviction_policy=s.eviction_policy,
+            event_buffer=s.event_buffer,
         )
         self.index = Index(config, usable_page_slots=0, usable_state_slots=0)
         if s.model_version is not None:
@@ -468,6 +470,12 @@ class HostPrefixCache:
         with self._lock:
             if self.index.set_model_version(version) and self._l3 is not None:
                 self._l3.set_model_version(version)
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events since the last call, oldest first (none unless `event_buffer` > 0): host pages stored and
+        evicted ("CPU"), L3 objects put and found gone ("STORAGE"). `kvtier.events.EventPublisher` sends them to
+        routers in vLLM's encoding."""
+        return self.index.take_events()
 
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""

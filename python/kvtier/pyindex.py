@@ -1,9 +1,10 @@
 """The index bookkeeping in plain Python, as a straightforward engine would write it.
 
 It follows the same rules as the Rust index (``kvtier.Index``, rules in docs/INDEX.md), slot for slot: hashlib
-BLAKE2b-128 chains cached per request, ``OrderedDict`` pools with refs and ready flags, the same lookup, store, load
-and completion planning. It is the baseline of ``kvtier bench index`` and the model the stateful tests check the
-Rust index against (they give it the Rust chain through ``chain_fn``).
+BLAKE2b-128 chains cached per request, ``OrderedDict`` pools with refs and ready flags and both eviction policies
+(docs/EVICTION.md), the same lookup, store, load and completion planning, and the same KV events. It is the baseline
+of ``kvtier bench index`` and the model the stateful tests check the Rust index against (they give it the Rust
+chain through ``chain_fn``).
 """
 
 from __future__ import annotations
@@ -45,16 +46,25 @@ class Entry:
     slot: int
     refs: int
     ready: bool
+    segment: int = 0  # 0: probation (the only list of lru), 1: protected
+    used: bool = False  # acquired for a use since it was last listed
 
 
 class Pool:
-    """Fixed slots; an ``OrderedDict`` of evictable keys (refs 0 and ready), least recent first."""
+    """Fixed slots; per segment an ``OrderedDict`` of evictable keys (refs 0 and ready), least recent first; under
+    ``adaptive`` also one ``OrderedDict`` of ghost keys per segment (oldest first) and probation's target size in
+    sixteenths of a slot."""
 
-    def __init__(self, capacity: int, usable: int) -> None:
+    def __init__(self, capacity: int, usable: int, policy: str = "lru") -> None:
         self.capacity = capacity
         self.usable = 0
+        self.adaptive = policy == "adaptive"
         self.entries: dict[int, Entry] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.lists: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+        self.ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+        self.target = capacity * 16 // 2
+        self.listed_at: dict[int, int] = {}
+        self.clock = 0
         self.free: list[int] = []
         self.evicted = 0
         self.grow(usable)
@@ -65,40 +75,86 @@ class Pool:
             self.free = list(range(usable - 1, self.usable - 1, -1)) + self.free
             self.usable = usable
 
+    def evictable(self) -> int:
+        return len(self.lists[0]) + len(self.lists[1])
+
     def available(self) -> int:
-        return len(self.free) + len(self.lru)
+        return len(self.free) + self.evictable()
+
+    def lru_order(self) -> list[int]:
+        """Evictable keys, least recently listed first."""
+        return sorted([*self.lists[0], *self.lists[1]], key=self.listed_at.__getitem__)
 
     def ready_slot(self, key: int) -> int | None:
         e = self.entries.get(key)
         return e.slot if e is not None and e.ready else None
 
-    def reserve(self, keys: Sequence[int]) -> list[int] | None:
+    def reserve(self, keys: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        """(slots, evicted keys), or None (nothing changed) when the keys do not fit."""
         if len(keys) > self.available():
             return None
-        slots = []
+        slots, evicted = [], []
         for key in keys:
+            segment = self._admit(key)
             if self.free:
                 slot = self.free.pop()
             else:
-                old, _ = self.lru.popitem(last=False)
-                slot = self.entries.pop(old).slot
-                self.evicted += 1
-            self.entries[key] = Entry(slot, 1, False)
+                old, slot = self._evict()
+                evicted.append(old)
+            self.entries[key] = Entry(slot, 1, False, segment)
             slots.append(slot)
-        return slots
+        return slots, evicted
+
+    def _admit(self, key: int) -> int:
+        if not self.adaptive:
+            return 0
+        for g, other in ((0, 1), (1, 0)):
+            if key in self.ghosts[g]:
+                step = max(1, len(self.ghosts[other]) // len(self.ghosts[g]))
+                if g == 0:
+                    self.target = min(self.target + step, self.capacity * 16)
+                else:
+                    self.target = max(self.target - step, 0)
+                del self.ghosts[g][key]
+                return 1
+        return 0
+
+    def _evict(self) -> tuple[int, int]:
+        probation, protected = self.lists
+        if probation and protected:
+            over = sum(e.segment == 0 for e in self.entries.values()) * 16 > self.target
+            older = self.listed_at[next(iter(probation))] < self.listed_at[next(iter(protected))]
+            segment = 0 if over or older else 1
+        else:
+            segment = 0 if probation else 1
+        key, _ = self.lists[segment].popitem(last=False)
+        slot = self.entries.pop(key).slot
+        del self.listed_at[key]
+        if self.adaptive:
+            self.ghosts[segment][key] = None
+            if len(self.ghosts[segment]) > self.capacity:
+                self.ghosts[segment].popitem(last=False)
+        self.evicted += 1
+        return key, slot
 
     def acquire(self, key: int) -> None:
         e = self.entries[key]
         e.refs += 1
+        e.used = True
         if e.refs == 1 and e.ready:
-            del self.lru[key]
+            del self.lists[e.segment][key]
 
     def release(self, key: int) -> None:
         e = self.entries[key]
         assert e.refs > 0, f"release of {key:x} with no references"
         e.refs -= 1
         if e.refs == 0 and e.ready:
-            self.lru[key] = None
+            if e.used and self.adaptive:
+                e.segment = 1
+            e.used = False
+            self.listed_at[key] = self.clock
+            self.clock += 1
+            self.lists[e.segment][key] = None
 
     def discard(self, key: int) -> None:
         e = self.entries.pop(key)
@@ -122,8 +178,12 @@ class PyIndex:
         self.min_hit_tokens = config.min_hit_tokens
         self.state_lookback_blocks = config.state_lookback_blocks
         self.ring_slack = config.ring_slack
-        self.pages = Pool(config.page_slots, config.page_slots)
-        self.states = Pool(config.state_slots, config.state_slots)
+        self.pages = Pool(config.page_slots, config.page_slots, config.eviction_policy)
+        self.states = Pool(config.state_slots, config.state_slots, config.eviction_policy)
+        self.event_buffer = config.event_buffer
+        self.events: list[tuple[int, bool, list[int]]] = []  # (seq, removed, page keys); host pages only
+        self.next_seq = 0
+        self.events_dropped = 0
         self.has_states = config.state_slots > 0
         self.chain_fn = chain_fn or blake2b_chain(block_size)
         self.chains: dict[str, list[int]] = {}
@@ -244,14 +304,15 @@ class PyIndex:
                 if got is not None:
                     states.append((keys[blocks - 1], True))
                     boundaries.append(blocks * bs)
-                    state_slots.append(got[0])
+                    state_slots.append(got[0][0])
                     deepest = max(deepest, blocks)
         # A partial run with states is kept only up to the deepest boundary whose state is stored.
         take = fit
         if fit < len(missing) and self.has_states:
             take = sum(1 for i in missing[:fit] if i < deepest)
         missing = missing[:take]
-        new_slots = self.pages.reserve([keys[i] for i in missing]) or []
+        new_slots, evicted = self.pages.reserve([keys[i] for i in missing]) or ([], [])
+        self._record(True, evicted)
         pages = sorted([(i, False) for i in held] + [(i, True) for i in missing])
         if new_slots or state_slots:
             self.stats["stores"] += 1
@@ -259,6 +320,19 @@ class PyIndex:
             self.stats["store_skipped"] += 1
         t = Ticket(None, [(keys[i], new) for i, new in pages], states)
         return self._issue(t), missing, new_slots, boundaries, state_slots
+
+    def _record(self, removed: bool, keys: list[int]) -> None:
+        if not self.event_buffer or not keys:
+            return
+        if len(self.events) == self.event_buffer:
+            self.events.pop(0)
+            self.events_dropped += 1
+        self.events.append((self.next_seq, removed, keys))
+        self.next_seq += 1
+
+    def take_events(self) -> list[tuple[int, bool, list[int]]]:
+        out, self.events = self.events, []
+        return out
 
     def _issue(self, t: Ticket) -> int:
         tid = self.next_ticket
@@ -273,6 +347,7 @@ class PyIndex:
                 self.pages.entries[k].ready = True
                 self.stats["pages_stored"] += 1
             self.pages.release(k)
+        self._record(False, [k for k, new in t.pages if new])
         for k, new in t.states:
             if new:
                 self.states.entries[k].ready = True

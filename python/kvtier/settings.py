@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier._core import EVICTION_POLICIES
+
 INT32_MAX = 2**31 - 1
 
 # Kinds of value.
@@ -185,6 +187,21 @@ REGISTRY: tuple[Setting, ...] = (
         choices=("blake3", "xxh3"),
     ),
     S("hash_key", SECRET, None, "per-deployment secret key of the block hash", shown="public default"),
+    S(
+        "eviction_policy",
+        TEXT,
+        "lru",
+        "`lru`, or `adaptive`: scan-resistant, keeps pages used twice over one-off prompts (docs/EVICTION.md)",
+        choices=tuple(EVICTION_POLICIES),
+    ),
+    S(
+        "event_buffer",
+        INT,
+        0,
+        "KV events kept for `take_events()`; the oldest are dropped beyond it (`events_dropped`); 0: none recorded",
+        minimum=0,
+        maximum=INT32_MAX,
+    ),
     S("staging_slots", INT, 16, "GPU staging buffers for state copies", minimum=1, maximum=4096),
     S(
         "pin_step_bytes",
@@ -374,8 +391,10 @@ def machine_memory() -> int | None:
     return total
 
 
-# Bytes of index bookkeeping per host slot at most (entry, LRU links, key map), counted against memory.
-BOOKKEEPING_BYTES_PER_SLOT = 96
+# Bytes of index bookkeeping per host slot at most (entry, list links, key map), counted against memory; the
+# adaptive policy adds up to two ghost keys a slot (one per list, with their links and map entries).
+BOOKKEEPING_BYTES_PER_SLOT = 128
+GHOST_BYTES_PER_SLOT = 200
 
 
 def check_fits(
@@ -392,8 +411,9 @@ def check_fits(
     if memory is None:
         return
     state_slots = settings.state_slots
-    pages = page_slots * (page_bytes + BOOKKEEPING_BYTES_PER_SLOT)
-    states = state_slots * (state_bytes + BOOKKEEPING_BYTES_PER_SLOT)
+    per_slot = BOOKKEEPING_BYTES_PER_SLOT + (GHOST_BYTES_PER_SLOT if settings.eviction_policy == "adaptive" else 0)
+    pages = page_slots * (page_bytes + per_slot)
+    states = state_slots * (state_bytes + per_slot)
     l3 = 0
     if settings.l3:  # the Store's segment and buffer, a group's scratch buffer, the staging, the seen-set
         l3 = settings.l3_segment_bytes + settings.l3_buffer_bytes + settings.l3_group_pages * page_bytes

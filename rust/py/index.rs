@@ -4,13 +4,16 @@ use std::sync::MutexGuard;
 use numpy::PyArray1;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
 use crate::cache::SharedIndex;
 use crate::chain::{Check, HashKind, TokenIds};
 use crate::error::invalid;
+use crate::events::Event;
 use crate::index::{Config, Index, Ready};
+use crate::policy::Policy;
+use crate::pool::PolicyState;
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndexConfig>()?;
@@ -19,6 +22,9 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoadPlan>()?;
     m.add_class::<PyStorePlan>()?;
     m.add_class::<PyReady>()?;
+    m.add_class::<PyKvEvent>()?;
+    m.add_class::<PyPolicyState>()?;
+    m.add("EVICTION_POLICIES", Policy::NAMES.to_vec())?;
     Ok(())
 }
 
@@ -99,6 +105,61 @@ pub struct PyStorePlan {
     state_slots: Py<PyArray1<i32>>,
 }
 
+/// Pages stored into (`removed` false) or removed from a tier (`medium` "CPU": the host pool, "STORAGE": L3),
+/// with the log's sequence number (a gap means events were dropped). `keys` are the pages' keys as bytes (the
+/// chain key, 16 bytes big-endian), in prompt order for a store.
+#[pyclass(name = "KvEvent", module = "kvtier._core", frozen, get_all)]
+pub struct PyKvEvent {
+    seq: u64,
+    removed: bool,
+    medium: &'static str,
+    keys: Vec<Py<PyBytes>>,
+}
+
+impl PyKvEvent {
+    fn new(py: Python<'_>, e: Event) -> Self {
+        let keys = e.keys.iter().map(|k| PyBytes::new(py, &k.to_be_bytes()).unbind()).collect();
+        Self { seq: e.seq, removed: e.removed, medium: e.medium.name(), keys }
+    }
+}
+
+#[pymethods]
+impl PyKvEvent {
+    fn __repr__(&self) -> String {
+        format!(
+            "KvEvent(seq={}, removed={}, medium={:?}, keys=<{}>)",
+            self.seq,
+            self.removed,
+            self.medium,
+            self.keys.len()
+        )
+    }
+}
+
+/// A pool's eviction lists as the policy keeps them: evictable keys of probation and protected (least recent
+/// first; `lru` has probation only), the ghost keys of each (oldest first) and probation's target size in
+/// sixteenths of a slot.
+#[pyclass(name = "PolicyState", module = "kvtier._core", frozen, get_all)]
+pub struct PyPolicyState {
+    probation: Vec<u128>,
+    protected: Vec<u128>,
+    probation_ghosts: Vec<u128>,
+    protected_ghosts: Vec<u128>,
+    target: u64,
+}
+
+impl From<PolicyState> for PyPolicyState {
+    fn from(s: PolicyState) -> Self {
+        Self {
+            probation: s.probation,
+            protected: s.protected,
+            probation_ghosts: s.probation_ghosts,
+            protected_ghosts: s.protected_ghosts,
+            target: s.target,
+        }
+    }
+}
+
 /// A count of host slots: non-negative and below 2**31 (slot ids are int32 on the Python side).
 fn slot_count(name: &str, v: i64) -> PyResult<u32> {
     let n: u32 = non_negative(name, v)?;
@@ -119,7 +180,8 @@ pub struct PyIndexConfig {
 impl PyIndexConfig {
     #[new]
     #[pyo3(signature = (page_slots, *, state_slots=0, block_size=16, keep_tokens=1, min_hit_tokens=None,
-        state_lookback_blocks=4, ring_slack=0, hash_kind="blake3", hash_key=None))]
+        state_lookback_blocks=4, ring_slack=0, hash_kind="blake3", hash_key=None, eviction_policy="lru",
+        event_buffer=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         page_slots: i64,
@@ -131,6 +193,8 @@ impl PyIndexConfig {
         ring_slack: i64,
         hash_kind: &str,
         hash_key: Option<&Bound<'_, PyAny>>,
+        eviction_policy: &str,
+        event_buffer: i64,
     ) -> PyResult<Self> {
         let block_size: usize = non_negative("block_size", block_size)?;
         let cfg = Config {
@@ -146,6 +210,8 @@ impl PyIndexConfig {
             ring_slack: non_negative("ring_slack", ring_slack)?,
             hash_kind: HashKind::parse(hash_kind).map_err(to_py)?,
             hash_key: namespace_bytes(hash_key)?,
+            eviction_policy: Policy::parse(eviction_policy).map_err(to_py)?,
+            event_buffer: non_negative("event_buffer", event_buffer)?,
         };
         cfg.validate().map_err(to_py)?;
         Ok(Self { cfg })
@@ -183,12 +249,20 @@ impl PyIndexConfig {
     fn hash_kind(&self) -> &'static str {
         self.cfg.hash_kind.name()
     }
+    #[getter]
+    fn eviction_policy(&self) -> &'static str {
+        self.cfg.eviction_policy.name()
+    }
+    #[getter]
+    fn event_buffer(&self) -> usize {
+        self.cfg.event_buffer
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.cfg;
         format!(
             "IndexConfig(page_slots={}, state_slots={}, block_size={}, keep_tokens={}, min_hit_tokens={}, \
-             state_lookback_blocks={}, ring_slack={}, hash_kind={:?})",
+             state_lookback_blocks={}, ring_slack={}, hash_kind={:?}, eviction_policy={:?}, event_buffer={})",
             c.page_slots,
             c.state_slots,
             c.block_size,
@@ -196,7 +270,9 @@ impl PyIndexConfig {
             c.min_hit_tokens,
             c.state_lookback_blocks,
             c.ring_slack,
-            c.hash_kind.name()
+            c.hash_kind.name(),
+            c.eviction_policy.name(),
+            c.event_buffer
         )
     }
 }
@@ -297,6 +373,10 @@ impl PyIndex {
     #[getter]
     fn hash_kind(&self) -> &'static str {
         self.lock().config().hash_kind.name()
+    }
+    #[getter]
+    fn eviction_policy(&self) -> &'static str {
+        self.lock().config().eviction_policy.name()
     }
     /// A short public digest of the hash key (fingerprints differ per key without revealing it).
     #[getter]
@@ -498,6 +578,20 @@ impl PyIndex {
         self.lock().forget(request_id)
     }
 
+    /// The KV events recorded since the last call, oldest first (none unless `event_buffer` > 0): host pages
+    /// made ready or evicted, and the L3 tier's reports. Beyond `event_buffer` events the oldest are dropped
+    /// (`events_dropped` in `stats()`).
+    fn take_events(&self, py: Python<'_>) -> Vec<PyKvEvent> {
+        let events = self.lock().take_events();
+        events.into_iter().map(|e| PyKvEvent::new(py, e)).collect()
+    }
+
+    /// The L3 tier stored the objects holding these pages (or, `removed`, found them gone): recorded as
+    /// "STORAGE" events.
+    fn record_storage(&self, removed: bool, page_keys: Vec<u128>) {
+        self.lock().record_storage(removed, page_keys);
+    }
+
     /// Counts an error handled by the caller.
     fn count_error(&self) {
         self.lock().count_error();
@@ -514,7 +608,7 @@ impl PyIndex {
         Ok(d)
     }
 
-    /// Page keys in eviction order, least recent first (only evictable entries are listed).
+    /// Evictable page keys, least recently used first (under `adaptive`, both lists merged).
     fn page_lru(&self) -> Vec<u128> {
         self.lock().pages().lru_keys()
     }
@@ -522,6 +616,16 @@ impl PyIndex {
     /// State keys in eviction order, least recent first.
     fn state_lru(&self) -> Vec<u128> {
         self.lock().states().lru_keys()
+    }
+
+    /// The page pool's eviction lists, ghosts and target.
+    fn page_policy(&self) -> PyPolicyState {
+        self.lock().pages().policy_state().into()
+    }
+
+    /// The state pool's eviction lists, ghosts and target.
+    fn state_policy(&self) -> PyPolicyState {
+        self.lock().states().policy_state().into()
     }
 
     /// `(key, refs, ready)` of a page slot, or None when the slot is free.

@@ -333,20 +333,30 @@ impl PyL3Planner {
 
     /// Forgets that these keys of a plan were put or seen (they failed: a later store may put them again).
     fn unsee(&self, plan: &Bound<'_, PyAny>, keys: Vec<String>) -> PyResult<()> {
-        let pick =
-            |objects: &[Object]| -> Vec<Object> { objects.iter().filter(|o| keys.contains(&o.key)).cloned().collect() };
-        let objects = if let Ok(p) = plan.cast::<PyPutPlan>() {
-            pick(&locked(&p.get().inner).objects)
-        } else if let Ok(p) = plan.cast::<PyFetchPlan>() {
-            pick(&p.get().inner.objects)
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "plan must be a PutPlan or FetchPlan, got {}",
-                plan.get_type().name()?
-            )));
-        };
+        let objects = named(plan, &keys)?;
         self.lock().unsee(&objects.iter().collect::<Vec<_>>());
         Ok(())
+    }
+
+    /// These groups of a plan are in the Store now (a put stored them) or, `removed`, gone from it (removed, or
+    /// found missing by a get): their pages become "STORAGE" KV events of the index.
+    fn record_storage(&self, plan: &Bound<'_, PyAny>, keys: Vec<String>, removed: bool) -> PyResult<()> {
+        let pages: Vec<u128> = named(plan, &keys)?.into_iter().flat_map(|o| o.pages).collect();
+        self.index.get().lock().record_storage(removed, pages);
+        Ok(())
+    }
+}
+
+/// The objects of a put or fetch plan whose Store keys are among `keys`, in plan order.
+fn named(plan: &Bound<'_, PyAny>, keys: &[String]) -> PyResult<Vec<Object>> {
+    let pick =
+        |objects: &[Object]| -> Vec<Object> { objects.iter().filter(|o| keys.contains(&o.key)).cloned().collect() };
+    if let Ok(p) = plan.cast::<PyPutPlan>() {
+        Ok(pick(&locked(&p.get().inner).objects))
+    } else if let Ok(p) = plan.cast::<PyFetchPlan>() {
+        Ok(pick(&p.get().inner.objects))
+    } else {
+        Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)))
     }
 }
 

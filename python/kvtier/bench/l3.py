@@ -71,6 +71,7 @@ def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         l3="mooncake",
         l3_master=master,
         l3_group_pages=a.group_pages,
+        hash_key="kvtier bench",  # the run's caches use a key of their own
     )
     try:
         config = StoreConfig(master)

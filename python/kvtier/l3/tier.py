@@ -16,6 +16,9 @@ objects, and the planner checks every header and digest: the slots become ready 
 A rejected object (wrong length, header or digest) is counted, removed from the Store and never served; it does
 not open the breaker.
 
+KV events: the groups a put stored and the groups found gone (removed after a failed check, or missing at a get)
+become "STORAGE" events of the index (``Index.take_events``), named by their pages' keys.
+
 Failure policy: every job finishes its plan's ticket in a ``finally`` (after a Store call that timed out, once
 that call returned); a job that raises is counted (``l3_gets_failed`` / ``l3_puts_failed``; ``l3_errors`` for
 anything but a Store error) and logged. The engine loop never calls the Store.
@@ -39,7 +42,7 @@ from typing import Any
 from kvtier import Index, L3Planner, Ready, fingerprint
 from kvtier.copy import HostPool
 from kvtier.l3.errors import L3Error, L3Timeout, L3Unavailable
-from kvtier.l3.store import Store, StoreConfig
+from kvtier.l3.store import OBJECT_NOT_FOUND, Store, StoreConfig
 from kvtier.l3.worker import Backoff, Worker
 from kvtier.settings import CacheSettings
 
@@ -394,6 +397,8 @@ class L3Tier:
                     raise
                 failed += [(k, code) for k, code in zip(keys, codes, strict=False) if code != 0]
                 self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes, strict=False) if code == 0))
+                stored = [k for k, code in zip(keys, codes, strict=False) if code == 0]
+                self.planner.record_storage(plan, stored, False)
             if failed:
                 self.planner.unsee(plan, [k for k, _ in failed])
                 self._count("puts_failed", len(failed))
@@ -441,7 +446,9 @@ class L3Tier:
         self.planner.unsee(plan, [k for k, _ in verdict.rejected] + [k for k, _ in verdict.lost])
         self._count("gets_failed")
         if verdict.rejected:
-            self._reject(store, verdict.rejected)
+            self._reject(store, plan, verdict.rejected)
+        gone = [k for k, code in verdict.lost if code == OBJECT_NOT_FOUND]
+        self.planner.record_storage(plan, gone, True)
         if verdict.lost:
             k, code = verdict.lost[0]
             log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(plan), k, code)
@@ -453,17 +460,20 @@ class L3Tier:
             self._stats["states_loaded"] += plan.states
             self._stats["bytes_loaded"] += plan.bytes
 
-    def _reject(self, store: Store, rejected: list[tuple[str, str]]) -> None:
+    def _reject(self, store: Store, plan: Any, rejected: list[tuple[str, str]]) -> None:
         """Objects that failed their check are never served; they are removed so an honest writer can put the
         right bytes (the first writer wins otherwise)."""
         self._count("rejected", len(rejected))
         log.warning("L3: %d objects rejected, first %s: %s", len(rejected), *rejected[0])
+        removed = []
         for key, _ in rejected:
             try:
                 if store.remove(key, True) == 0:
                     self._count("rejected_removed")
+                    removed.append(key)
             except L3Error as e:
                 log.info("L3: removing rejected object %s failed: %s", key, e)
+        self.planner.record_storage(plan, removed, True)
 
     def flush(self, timeout_s: float) -> bool:
         """Waits until the work submitted so far has run (tests, benchmarks, demos); returns whether it has."""

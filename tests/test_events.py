@@ -1,0 +1,240 @@
+"""KV events: a subscriber of the published batches rebuilds exactly what each tier holds."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.cache import HostPrefixCache
+from kvtier.events import EventPublisher, encode_batch, event_message
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+BLOCK = 4
+_endpoints = itertools.count()
+
+
+@pytest.fixture
+def pubsub():  # type: ignore[no-untyped-def]
+    """A publisher and a subscriber of its topic. inproc: the subscription is in place when connect returns, so no
+    batch is lost to a slow joiner."""
+    endpoint = f"inproc://kvtier-events-{next(_endpoints)}"
+    with EventPublisher(endpoint, topic="kv") as pub:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.RCVTIMEO, 10_000)
+            sub.connect(endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            yield pub, sub
+        finally:
+            sub.close(0)
+
+
+class Router:
+    """What a router keeps from the events: the pages of each medium, by key."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes]] = {"CPU": set(), "STORAGE": set()}
+        self.groups: set[str] = set()  # L3 objects (groups of 2 pages) by the key of their last page, hex
+        self.next_batch = 0
+
+    def receive(self, sub) -> None:  # type: ignore[no-untyped-def]
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and int.from_bytes(seq, "big") == self.next_batch, "a batch went missing"
+        self.next_batch += 1
+        _, events, rank = msgpack.unpackb(payload)
+        assert rank is None
+        for e in events:
+            held = self.held[e["medium"]]
+            ends = {k.hex() for k in e["block_hashes"][1::2]} if e["medium"] == "STORAGE" else set()
+            if e["type"] == "BlockStored":
+                held.update(e["block_hashes"])
+                self.groups |= ends
+            else:
+                assert e["type"] == "BlockRemoved"
+                held.difference_update(e["block_hashes"])
+                self.groups -= ends
+
+
+def ready_pages(ix: kvtier.Index) -> set[bytes]:
+    entries = (ix.page_entry(s) for s in range(ix.page_slots))
+    return {e[0].to_bytes(16, "big") for e in entries if e is not None and e[2]}
+
+
+def test_a_batch_is_vllms_kv_event_batch():
+    ix = kvtier.Index(kvtier.IndexConfig(2, block_size=BLOCK, min_hit_tokens=0, event_buffer=8))
+    ix.complete(ix.plan_store("a", list(range(8))).ticket)
+    ix.complete(ix.plan_store("b", list(range(100, 108))).ticket)
+    a, b = (ix.chain(r, t) for r, t in (("a", list(range(8))), ("b", list(range(100, 108)))))
+    events = ix.take_events()
+    assert [(e.seq, e.removed, e.medium) for e in events] == [(0, False, "CPU"), (1, True, "CPU"), (2, False, "CPU")]
+    as_bytes = [[k.to_bytes(16, "big") for k in keys] for keys in (a, a[::-1], b)]
+    assert [e.keys for e in events] == as_bytes, "stores in prompt order, evictions deepest first"
+    ts, got, rank = msgpack.unpackb(encode_batch(events, ts=2.5))
+    assert (ts, rank) == (2.5, None)
+    assert got[1] == {"type": "BlockRemoved", "block_hashes": as_bytes[1], "medium": "CPU", "group_idx": 0}
+    assert list(got[0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+    ], "vLLM's field order"
+    assert got[0] == event_message(events[0]) | {"block_hashes": as_bytes[0]}
+    assert (got[0]["token_ids"], got[0]["block_size"], got[0]["parent_block_hash"]) == ([], 0, None)
+    assert msgpack.unpackb(encode_batch(events, data_parallel_rank=3))[2] == 3
+
+
+def test_nothing_is_recorded_without_a_buffer_and_a_full_buffer_drops_the_oldest():
+    off = kvtier.Index(kvtier.IndexConfig(4, block_size=BLOCK, min_hit_tokens=0))
+    off.complete(off.plan_store("a", list(range(8))).ticket)
+    assert off.take_events() == [] and off.stats()["events_dropped"] == 0
+    ix = kvtier.Index(kvtier.IndexConfig(8, block_size=BLOCK, min_hit_tokens=0, event_buffer=2))
+    for i in range(5):
+        ix.complete(ix.plan_store(f"r{i}", list(range(100 * i, 100 * i + 4))).ticket)
+    assert [e.seq for e in ix.take_events()] == [3, 4], "the newest kept; the gap shows the loss"
+    assert ix.stats()["events_dropped"] == 3
+
+
+@pytest.mark.parametrize("policy", kvtier.EVICTION_POLICIES)
+def test_a_subscriber_rebuilds_the_host_pool_under_random_stores_and_evictions(policy, pubsub):
+    config = kvtier.IndexConfig(10, block_size=BLOCK, min_hit_tokens=0, eviction_policy=policy, event_buffer=4096)
+    ix = kvtier.Index(config)
+    pub, sub = pubsub
+    router = Router()
+    rng = np.random.default_rng(3)
+    bases = [rng.integers(0, 1000, size=48, dtype=np.int32) for _ in range(4)]
+    pending: list[int] = []
+    for i in range(300):
+        prompt = bases[int(rng.integers(len(bases)))][: int(rng.integers(4, 48))]
+        rid = f"q{i}"
+        hit = ix.lookup(rid, prompt).hit_tokens
+        if hit and rng.random() < 0.5:
+            pending.append(ix.begin_load(rid, hit).ticket)
+        pending.append(ix.plan_store(rid, prompt).ticket)
+        rng.shuffle(pending)
+        while pending and rng.random() < 0.6:
+            ticket = pending.pop()
+            if rng.random() < 0.15:
+                ix.abort(ticket)  # a failed copy: its new pages were never stored
+            else:
+                ix.complete(ticket)
+        ix.forget(rid)
+        pub.publish(ix.take_events())
+        while router.next_batch < pub.sent:
+            router.receive(sub)
+        assert router.held["CPU"] == ready_pages(ix)
+    assert ix.stats()["pages_evicted"] > 0 and ix.stats()["events_dropped"] == 0 and pub.dropped == 0
+
+
+def test_l3_puts_and_drops_become_storage_events(mooncake_server, pubsub):
+    """A cache whose host pool is too small for its prompts, over a Store that loses objects (removed just before
+    a get asks for them, as a Store evicting under memory pressure does): the router's "STORAGE" pages are those of
+    the groups put and not found gone, its "CPU" pages the host pool's."""
+    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    from kvtier.l3 import MooncakeStore
+    from kvtier.l3.store import StoreWrapper
+
+    class Ledger:
+        held: set[str] = set()  # the chain key (hex) of the last page of each group the Store holds
+        lost = 0
+        gets = 0
+
+    store = Ledger()
+
+    class Losing(StoreWrapper):
+        def put_many(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+            codes = super().put_many(keys, ptrs, sizes)
+            store.held.update(k.rsplit("/", 1)[1] for k, c in zip(keys, codes, strict=True) if c == 0 and "/g2/" in k)
+            return codes
+
+        def get_many(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+            for k in keys:
+                store.gets += 1
+                if store.gets % 3 == 0 and "/g2/" in k:
+                    self.inner.remove(k, True)
+                    store.held.discard(k.rsplit("/", 1)[1])
+                    store.lost += 1
+            return super().get_many(keys, ptrs, sizes)
+
+    def losing(config):  # type: ignore[no-untyped-def]
+        return Losing(MooncakeStore(config))
+
+    page_bytes = 64
+    gpu = torch.zeros((64, page_bytes), dtype=torch.uint8)
+    cache = HostPrefixCache(
+        gpu,
+        block_size=BLOCK,
+        host_bytes=10 * page_bytes,
+        preallocate=True,
+        min_hit_tokens=0,
+        l3="mooncake",
+        l3_master=mooncake_server.master_addr,
+        l3_group_pages=2,
+        l3_deadline_ms=10_000,
+        fingerprint_fields={"test": "storage-events"},
+        l3_store=losing,
+        event_buffer=1 << 16,
+    )
+    try:
+        end = time.monotonic() + 30
+        while not cache.stats()["l3_connected"]:
+            assert time.monotonic() < end, "no Store connection"
+            time.sleep(0.01)
+        pub, sub = pubsub
+        router = Router()
+        rng = np.random.default_rng(5)
+        bases = [rng.integers(0, 1000, size=40, dtype=np.int32) for _ in range(6)]
+        for i in range(60):
+            prompt = bases[int(rng.integers(len(bases)))][: int(rng.integers(8, 40))]
+            rid, table = f"q{i}", list(range(len(prompt) // BLOCK + 1))
+            end = time.monotonic() + 30
+            while cache.resume(rid, prompt, allocate=lambda table=table: table) < 0:
+                assert time.monotonic() < end, "an L3 fetch never finished"
+                cache.poll()
+            cache.store(rid, prompt, table)
+            cache.poll()
+            cache.forget(rid)
+            pub.publish(cache.take_events())
+            while router.next_batch < pub.sent:
+                router.receive(sub)
+            assert router.held["CPU"] == ready_pages(cache.index)
+        # The write-behind puts run on a worker: take events until those of the last put are in.
+        end = time.monotonic() + 30
+        while router.groups != store.held and time.monotonic() < end:
+            cache.poll()
+            pub.publish(cache.take_events())
+            while router.next_batch < pub.sent:
+                router.receive(sub)
+        assert router.groups == store.held
+        assert len(router.held["STORAGE"]) == 2 * len(router.groups), "the pages of the groups held, none else"
+        s = cache.stats()
+        assert s["l3_puts_submitted"] > 0 and s["l3_hits"] > 0 and store.lost > 0, (
+            {k: v for k, v in s.items() if "l3" in k},
+            store.gets,
+        )
+    finally:
+        cache.close()
+
+
+def test_the_cache_takes_its_policy_and_event_buffer_from_the_environment():
+    gpu = torch.zeros((8, 64), dtype=torch.uint8)
+    env = {"KVTIER_EVICTION_POLICY": "adaptive", "KVTIER_EVENT_BUFFER": "16"}
+    cache = HostPrefixCache(gpu, block_size=BLOCK, host_bytes=4 * 64, preallocate=True, min_hit_tokens=0, env=env)
+    assert cache.index.eviction_policy == "adaptive"
+    cache.store("r", list(range(8)), [0, 1])
+    cache.poll()
+    assert [(e.removed, e.medium, len(e.keys)) for e in cache.take_events()] == [(False, "CPU", 2)]
+    cache.close()
+    with pytest.raises(ValueError, match=r"eviction_policy \(from KVTIER_EVICTION_POLICY='arc'\)"):
+        HostPrefixCache(gpu, block_size=BLOCK, env={"KVTIER_EVICTION_POLICY": "arc"})

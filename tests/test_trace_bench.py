@@ -1,0 +1,83 @@
+"""`kvtier bench trace`: the replay's rules, its output, the synthetic shapes, and the shared trace's LRU figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvtier
+from kvtier.bench.trace import Request, block_size_of, replay, synthetic
+from kvtier.cli import main
+from kvtier.pyindex import PyIndex
+
+SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def run_json(argv: list[str], capsys) -> dict:  # type: ignore[no-untyped-def]
+    assert main(["bench", "trace", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_written_synthetic_trace_replays_the_same_from_its_file(capsys, tmp_path):
+    path, png = tmp_path / "agents.jsonl", tmp_path / "hits.png"
+    argv = ["--pools", "20k,100k", "--requests", "300"]
+    generated = run_json(["--synthetic", "agents", *argv, "--write", str(path)], capsys)
+    replayed = run_json([str(path), "--pools", "20k,100k", "--plot", str(png)], capsys)
+    assert generated["results"] == replayed["results"] and replayed["block_size"] == 512
+    rows = replayed["results"]
+    assert [(r["policy"], r["pool_tokens"]) for r in rows] == [("unbounded", None)] + [
+        (p, t) for p in kvtier.EVICTION_POLICIES for t in (20_000, 100_000)
+    ]
+    assert rows[0]["pages_evicted"] == 0
+    assert all(0 <= r["token_hit_rate"] <= rows[0]["token_hit_rate"] for r in rows)
+    assert all(r["pages_evicted"] > 0 for r in rows[1:3]), "the small pools evict"
+    assert png.stat().st_size > 1000
+    assert main(["bench", "trace", str(path), "--pools", "20k"]) == 0
+    table = capsys.readouterr().out
+    assert "unbounded pool" in table and "adaptive" in table and "vs lru" in table
+
+
+@pytest.mark.parametrize("shape", ["agents", "recency", "scans"])
+def test_the_lru_replay_follows_the_plain_model(shape):
+    """The replay's rules (a hit capped at floor((n - 1) / bs) blocks and loaded, every full block stored), on
+    the plain-Python index: the same hit tokens as the Rust index's replay."""
+    trace = synthetic(shape, 150, seed=4, block_size=16)
+    got = replay(trace, 16, [800], ["lru", "adaptive"])["results"]
+    for policy, row in zip(["lru", "adaptive"], got[1:], strict=True):
+        model = PyIndex(kvtier.IndexConfig(50, block_size=16, min_hit_tokens=0, eviction_policy=policy))
+        hit = total = 0
+        for i, r in enumerate(trace):
+            tokens = [(h * 16 + j) for h in r.hash_ids for j in range(16)][: r.tokens]
+            h = model.lookup(str(i), tokens)[0]
+            if h:
+                model.complete(model.begin_load(str(i), h)[0])
+            model.complete(model.plan_store(str(i), tokens)[0])
+            model.forget(str(i))
+            hit, total = hit + h, total + len(tokens)
+        assert row["token_hit_rate"] == hit / total, policy
+
+
+def test_the_block_size_is_the_traces():
+    assert block_size_of([Request(1000, [1, 2]), Request(512, [3])]) == 512
+    assert block_size_of([Request(33, [1, 2]), Request(16, [3])]) == 17
+    with pytest.raises(ValueError, match="not a Mooncake-format trace"):
+        block_size_of([Request(100, [1, 2]), Request(100, [1, 2, 3, 4, 5])])
+
+
+def test_a_bad_record_is_named_by_its_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_length": 10, "hash_ids": [0]}\n{"input_length": 5}\n')
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "trace", str(path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "bad.jsonl:2: not a trace record" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="the shared trace is not beside the repository")
+def test_the_shared_trace_gives_the_seeds_lru_figures(capsys):
+    out = run_json([str(SHARED_TRACE), "--policies", "lru", "--pools", "1M,3M,10M,30M"], capsys)
+    rows = out["results"]
+    assert (out["requests"], out["block_size"]) == (12_031, 512)
+    assert [round(100 * r["token_hit_rate"], 1) for r in rows] == [37.3, 5.6, 14.4, 29.8, 36.6]
