@@ -119,6 +119,14 @@ impl BlockHasher {
         }
     }
 
+    /// The pool key of a key the engine made (its block hash), under a model version: keyed BLAKE3 of both,
+    /// length-prefixed, in a domain of its own (whatever the hash kind: engine keys are short and already hashes).
+    pub fn engine_key(&self, version: &[u8], key: &[u8]) -> Key {
+        let mut h = blake3::Hasher::new_keyed(&self.namespace_key);
+        h.update(b"engine key").update(&(version.len() as u64).to_le_bytes()).update(version).update(key);
+        u128::from_le_bytes(h.finalize().as_bytes()[..16].try_into().expect("16 bytes"))
+    }
+
     /// The key of the block after one with key `prev`.
     pub fn next(&self, prev: Key, block: &[i32]) -> Key {
         let mut out = Vec::with_capacity(1);

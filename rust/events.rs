@@ -32,6 +32,9 @@ pub struct Event {
     pub medium: Medium,
     /// The pages' keys, in prompt order for a store.
     pub keys: Vec<Key>,
+    /// The keys' bytes where engine keys are in use (the engine's key, or a chain key's 16 bytes big-endian);
+    /// empty when every key is a chain key.
+    pub names: Vec<Vec<u8>>,
 }
 
 /// The events not yet taken, at most `bound` of them.
@@ -50,16 +53,21 @@ impl EventLog {
     }
 
     /// Records an event (nothing for no keys, or a log of bound 0); beyond the bound the oldest is dropped.
-    pub fn record(&mut self, removed: bool, medium: Medium, keys: Vec<Key>) {
-        if self.bound == 0 || keys.is_empty() {
+    pub fn record(&mut self, removed: bool, medium: Medium, keys: Vec<Key>, names: Vec<Vec<u8>>) {
+        if !self.enabled() || keys.is_empty() {
             return;
         }
         if self.events.len() == self.bound {
             self.events.pop_front();
             self.dropped += 1;
         }
-        self.events.push_back(Event { seq: self.next_seq, removed, medium, keys });
+        self.events.push_back(Event { seq: self.next_seq, removed, medium, keys, names });
         self.next_seq += 1;
+    }
+
+    /// Whether events are recorded at all (a bound above 0).
+    pub fn enabled(&self) -> bool {
+        self.bound > 0
     }
 
     /// The events recorded since the last take, oldest first.
@@ -81,15 +89,15 @@ mod tests {
     fn a_full_log_drops_the_oldest_and_counts_them() {
         let mut log = EventLog::new(2);
         for k in 1..=3 {
-            log.record(false, Medium::Cpu, vec![k]);
+            log.record(false, Medium::Cpu, vec![k], Vec::new());
         }
-        log.record(true, Medium::Storage, Vec::new());
+        log.record(true, Medium::Storage, Vec::new(), Vec::new());
         let got = log.take();
         assert_eq!(got.iter().map(|e| (e.seq, e.keys[0])).collect::<Vec<_>>(), vec![(1, 2), (2, 3)]);
         assert_eq!(log.dropped(), 1);
         assert!(log.take().is_empty());
         let mut off = EventLog::new(0);
-        off.record(false, Medium::Cpu, vec![1]);
+        off.record(false, Medium::Cpu, vec![1], Vec::new());
         assert!(off.take().is_empty() && off.dropped() == 0);
     }
 }

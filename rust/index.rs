@@ -11,6 +11,9 @@ use crate::policy::Policy;
 use crate::pool::Pool;
 use crate::stats::Stats;
 
+mod engine_keys;
+pub use engine_keys::{KeyLookup, KeyStorePlan, MAX_ENGINE_KEY_BYTES};
+
 #[derive(Clone, Debug)]
 pub struct Config {
     pub page_slots: u32,
@@ -110,6 +113,8 @@ enum TicketKind {
     Hold,
     /// Fresh entries being filled from L3.
     Fetch,
+    /// Pages of engine keys copied GPU -> host (and ready ones held).
+    KeyStore,
 }
 
 /// What a completed store made ready: the chain keys of the prompt's pages 0..n it covered (held or new) and
@@ -170,6 +175,8 @@ pub struct Index {
     model_version: Vec<u8>,
     epoch: u64,
     events: EventLog,
+    /// The engine's bytes of engine-keyed pages.
+    names: engine_keys::Names,
 }
 
 impl Index {
@@ -187,6 +194,7 @@ impl Index {
             model_version: Vec::new(),
             epoch: 0,
             events: EventLog::new(cfg.event_buffer),
+            names: engine_keys::Names::default(),
             cfg,
         })
     }
@@ -203,7 +211,7 @@ impl Index {
         self.model_version = version.to_vec();
         self.epoch += 1;
         let dropped = self.pages.retire_all();
-        self.events.record(true, Medium::Cpu, dropped);
+        self.record(true, Medium::Cpu, dropped);
         self.states.retire_all();
         self.stats.model_versions += 1;
         true
@@ -547,7 +555,7 @@ impl Index {
         missing.truncate(take);
         let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
         let (new_slots, evicted) = self.pages.reserve(&missing_keys).expect("bounded by available()");
-        self.events.record(true, Medium::Cpu, evicted);
+        self.record(true, Medium::Cpu, evicted);
         pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
         pages.sort_unstable_by_key(|p| p.0);
 
@@ -607,7 +615,7 @@ impl Index {
             return Ok(None);
         }
         let (page_new_slots, evicted) = self.pages.reserve(&new_pages).expect("checked available()");
-        self.events.record(true, Medium::Cpu, evicted);
+        self.record(true, Medium::Cpu, evicted);
         let (state_new_slots, _) = self.states.reserve(&new_states).expect("checked available()");
         let pick = |pool: &Pool, keys: &[Key], fresh: &[Key]| -> Vec<Option<u32>> {
             keys.iter().map(|k| if fresh.contains(k) { pool.slot_of(*k) } else { None }).collect()
@@ -647,7 +655,7 @@ impl Index {
             self.drop_ticket(&t)?;
             return Ok(None);
         }
-        let stored = matches!(t.kind, TicketKind::Store { .. });
+        let stored = matches!(t.kind, TicketKind::Store { .. } | TicketKind::KeyStore);
         let (mut resident, mut removed) = (Vec::new(), Vec::new());
         for &(s, new) in t.pages.iter().rev() {
             if new {
@@ -659,8 +667,8 @@ impl Index {
             removed.extend(self.pages.release(s)?);
         }
         resident.reverse();
-        self.events.record(false, Medium::Cpu, resident);
-        self.events.record(true, Medium::Cpu, removed);
+        self.record(false, Medium::Cpu, resident);
+        self.record(true, Medium::Cpu, removed);
         for &(s, new) in &t.states {
             if new {
                 self.states.mark_ready(s)?;
@@ -704,7 +712,7 @@ impl Index {
     /// release is announced removed (states are not announced: a state key is no block hash).
     fn drop_ticket(&mut self, t: &Ticket) -> Result<()> {
         let removed = Self::drop_entries(&mut self.pages, &t.pages)?;
-        self.events.record(true, Medium::Cpu, removed);
+        self.record(true, Medium::Cpu, removed);
         Self::drop_entries(&mut self.states, &t.states)?;
         Ok(())
     }
@@ -739,7 +747,16 @@ impl Index {
 
     /// The L3 tier stored (or found gone, `removed`) the objects holding these pages.
     pub fn record_storage(&mut self, removed: bool, keys: Vec<Key>) {
-        self.events.record(removed, Medium::Storage, keys);
+        self.record(removed, Medium::Storage, keys);
+    }
+
+    /// Records an event, naming engine-keyed pages by the engine's bytes.
+    fn record(&mut self, removed: bool, medium: Medium, keys: Vec<Key>) {
+        if !self.events.enabled() || keys.is_empty() {
+            return;
+        }
+        let names = if self.names.is_empty() { Vec::new() } else { keys.iter().map(|&k| self.names.bytes(k)).collect() };
+        self.events.record(removed, medium, keys, names);
     }
 
     /// Counts an error the caller handled (a failed copy launch, a callback that raised).
@@ -1049,6 +1066,11 @@ mod fuzz {
         Version {
             v: u8,
         },
+        /// Engine keys (from a small alphabet): a lookup, a load of the hit and a store.
+        Keys {
+            keys: Vec<u8>,
+            load: bool,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1063,6 +1085,7 @@ mod fuzz {
             (0u8..32).prop_map(|pages| Op::Grow { pages }),
             (0u8..6, prompt.clone()).prop_map(|(rid, prompt)| Op::Reuse { rid, prompt }),
             (0u8..3).prop_map(|v| Op::Version { v }),
+            (prop::collection::vec(0u8..12, 0..8), any::<bool>()).prop_map(|(keys, load)| Op::Keys { keys, load }),
         ]
     }
 
@@ -1175,6 +1198,18 @@ mod fuzz {
                     Op::Version { v } => {
                         if ix.set_model_version(&[v]) {
                             prop_assert_eq!(ix.pages().evictable() + ix.states().evictable(), 0);
+                        }
+                    }
+                    Op::Keys { keys, load } => {
+                        let mut keys: Vec<[u8; 2]> = keys.into_iter().map(|k| [k, 7]).collect();
+                        let mut seen = std::collections::HashSet::new();
+                        keys.retain(|k| seen.insert(*k));
+                        let l = ix.lookup_keys(&keys).unwrap();
+                        if load && l.hits > 0 {
+                            tickets.push(ix.load_keys(&keys[..l.hits.min(3)]).unwrap().ticket);
+                        } else if let Some(p) = ix.store_keys(&keys).unwrap() {
+                            prop_assert_eq!(p.indices.len(), p.slots.len());
+                            tickets.push(p.ticket);
                         }
                     }
                     Op::Finish { .. } => {}

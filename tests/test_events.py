@@ -183,6 +183,7 @@ def test_l3_puts_and_drops_become_storage_events(mooncake_server, pubsub):
         l3_group_pages=2,
         l3_deadline_ms=10_000,
         fingerprint_fields={"test": "storage-events"},
+        hash_key="storage-events test",
         l3_store=losing,
         event_buffer=1 << 16,
     )

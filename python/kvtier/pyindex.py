@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from kvtier import IndexConfig
 
 ChainFn = Callable[[str, bytes, Sequence[int]], list[int]]
+KeyFn = Callable[[bytes], int]
+
+
+def blake2b_key(key: bytes) -> int:
+    """The pool key of an engine key (its block hash): BLAKE2b-128 in a domain of its own."""
+    return int.from_bytes(hashlib.blake2b(b"engine key" + key, digest_size=16).digest(), "little")
 
 
 def blake2b_chain(block_size: int) -> ChainFn:
@@ -172,7 +178,7 @@ class Ticket:
 class PyIndex:
     """The same rules as ``kvtier.Index``; plans are returned as plain tuples and lists."""
 
-    def __init__(self, config: IndexConfig, *, chain_fn: ChainFn | None = None) -> None:
+    def __init__(self, config: IndexConfig, *, chain_fn: ChainFn | None = None, key_fn: KeyFn | None = None) -> None:
         self.block_size = block_size = config.block_size
         self.keep_tokens = config.keep_tokens
         self.min_hit_tokens = config.min_hit_tokens
@@ -181,11 +187,13 @@ class PyIndex:
         self.pages = Pool(config.page_slots, config.page_slots, config.eviction_policy)
         self.states = Pool(config.state_slots, config.state_slots, config.eviction_policy)
         self.event_buffer = config.event_buffer
-        self.events: list[tuple[int, bool, list[int]]] = []  # (seq, removed, page keys); host pages only
+        self.events: list[tuple[int, bool, list[bytes]]] = []  # (seq, removed, page keys as bytes); host pages only
         self.next_seq = 0
         self.events_dropped = 0
         self.has_states = config.state_slots > 0
         self.chain_fn = chain_fn or blake2b_chain(block_size)
+        self.key_fn = key_fn or blake2b_key
+        self.names: dict[int, bytes] = {}  # the engine's bytes of engine-keyed pages
         self.chains: dict[str, list[int]] = {}
         self.counted: set[str] = set()
         self.tickets: dict[int, Ticket] = {}
@@ -321,16 +329,67 @@ class PyIndex:
         t = Ticket(None, [(keys[i], new) for i, new in pages], states)
         return self._issue(t), missing, new_slots, boundaries, state_slots
 
+    def _name(self, key: int) -> bytes:
+        """A page key as events and evictions name it: the engine's key, else the chain key's 16 bytes."""
+        return self.names.get(key) or key.to_bytes(16, "big")
+
     def _record(self, removed: bool, keys: list[int]) -> None:
         if not self.event_buffer or not keys:
             return
         if len(self.events) == self.event_buffer:
             self.events.pop(0)
             self.events_dropped += 1
-        self.events.append((self.next_seq, removed, keys))
+        self.events.append((self.next_seq, removed, [self._name(k) for k in keys]))
         self.next_seq += 1
 
-    def take_events(self) -> list[tuple[int, bool, list[int]]]:
+    def lookup_keys(self, keys: Sequence[bytes]) -> tuple[int, bool]:
+        """(hits, pending): the leading engine keys ready on the host, and whether the next is being stored."""
+        pool_keys = [self.key_fn(k) for k in keys]
+        hits = 0
+        while hits < len(pool_keys) and self.pages.ready_slot(pool_keys[hits]) is not None:
+            hits += 1
+        self.stats["lookups"] += 1
+        return hits, hits < len(pool_keys) and pool_keys[hits] in self.pages.entries
+
+    def load_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(ticket, page_slots); raises ValueError unless every key is ready (and none repeats)."""
+        pool_keys = [self.key_fn(k) for k in keys]
+        slots = [self.pages.ready_slot(k) for k in pool_keys]
+        if not keys or None in slots or len(set(pool_keys)) < len(pool_keys):
+            raise ValueError("load_keys needs distinct keys, every one ready")
+        for k in pool_keys:
+            self.pages.acquire(k)
+        hit_tokens = len(keys) * self.block_size
+        self.stats["hits"] += 1
+        self.stats["hit_tokens"] += hit_tokens
+        return self._issue(Ticket(hit_tokens, [(k, False) for k in pool_keys])), slots  # type: ignore[return-value]
+
+    def store_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int], list[bytes]] | None:
+        """(ticket, indices, slots, evicted engine keys), or None when the pool cannot take every new key."""
+        pool_keys = [self.key_fn(k) for k in keys]
+        held: dict[int, None] = {}  # ready keys, in order
+        new: dict[int, int] = {}  # absent key -> its first index
+        for i, k in enumerate(pool_keys):
+            e = self.pages.entries.get(k)
+            if e is None:
+                new.setdefault(k, i)
+            elif e.ready:
+                held[k] = None
+        missing = list(new.values())
+        idle = sum(1 for k in held if self.pages.entries[k].refs == 0)
+        if len(missing) > self.pages.available() - idle:
+            return None
+        for k in held:
+            self.pages.acquire(k)
+        slots, evicted = self.pages.reserve([pool_keys[i] for i in missing]) or ([], [])
+        evicted_names = [self._name(k) for k in evicted]
+        self._record(True, evicted)
+        for i in missing:
+            self.names[pool_keys[i]] = bytes(keys[i])
+        t = Ticket(None, [(k, False) for k in held] + [(pool_keys[i], True) for i in missing])
+        return self._issue(t), missing, slots, evicted_names
+
+    def take_events(self) -> list[tuple[int, bool, list[bytes]]]:
         out, self.events = self.events, []
         return out
 

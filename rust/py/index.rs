@@ -2,7 +2,7 @@
 use std::sync::MutexGuard;
 
 use numpy::PyArray1;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -105,9 +105,32 @@ pub struct PyStorePlan {
     state_slots: Py<PyArray1<i32>>,
 }
 
+type KeyStoreTuple<'py> = (u64, Vec<u32>, Vec<u32>, Vec<Bound<'py, PyBytes>>);
+
+/// A sequence of bytes objects, copied (the GIL is released while the index works on them).
+fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    if keys.is_instance_of::<PyBytes>() || keys.is_instance_of::<pyo3::types::PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "keys must be a sequence of bytes objects, got one {}",
+            keys.get_type().name()?
+        )));
+    }
+    let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+    for (i, k) in keys.try_iter()?.enumerate() {
+        let k = k?;
+        let b = k.cast::<PyBytes>().map_err(|_| {
+            let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
+        })?;
+        out.push(b.as_bytes().to_vec());
+    }
+    Ok(out)
+}
+
 /// Pages stored into (`removed` false) or removed from a tier (`medium` "CPU": the host pool, "STORAGE": L3),
 /// with the log's sequence number (a gap means events were dropped). `keys` are the pages' keys as bytes (the
-/// chain key, 16 bytes big-endian), in prompt order for a store.
+/// engine's key for pages stored by engine key, else the chain key, 16 bytes big-endian), in prompt order for a
+/// store.
 #[pyclass(name = "KvEvent", module = "kvtier._core", frozen, get_all)]
 pub struct PyKvEvent {
     seq: u64,
@@ -118,7 +141,11 @@ pub struct PyKvEvent {
 
 impl PyKvEvent {
     fn new(py: Python<'_>, e: Event) -> Self {
-        let keys = e.keys.iter().map(|k| PyBytes::new(py, &k.to_be_bytes()).unbind()).collect();
+        let keys = if e.names.is_empty() {
+            e.keys.iter().map(|k| PyBytes::new(py, &k.to_be_bytes()).unbind()).collect()
+        } else {
+            e.names.iter().map(|n| PyBytes::new(py, n).unbind()).collect()
+        };
         Self { seq: e.seq, removed: e.removed, medium: e.medium.name(), keys }
     }
 }
@@ -571,6 +598,38 @@ impl PyIndex {
     fn plan_fetch(&self, py: Python<'_>, page_keys: Vec<u128>, state_keys: Vec<u128>) -> PyResult<Option<SlotTriple>> {
         let p = py.detach(|| self.lock().plan_fetch(&page_keys, &state_keys)).map_err(to_py)?;
         Ok(p.map(|p| (p.ticket, p.page_slots, p.state_slots)))
+    }
+
+    /// The pool key an engine key (bytes of 1 to 64) maps to under the current model version.
+    fn engine_key(&self, key: &[u8]) -> PyResult<u128> {
+        self.lock().engine_key(key).map_err(to_py)
+    }
+
+    /// How many of the engine's keys (a prompt's pages in order, bytes of 1 to 64) are ready on the host from the
+    /// first, and whether the next one is being stored: `(hits, pending)`. Nothing is held.
+    fn lookup_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
+        let keys = engine_keys(keys)?;
+        let l = py.detach(|| self.lock().lookup_keys(&keys)).map_err(to_py)?;
+        Ok((l.hits, l.pending))
+    }
+
+    /// Holds the pages of these engine keys for a host -> GPU copy (every one ready, else ValueError naming the
+    /// first that is not, and nothing is held): `(ticket, page_slots)`. Complete or abort the ticket.
+    fn load_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(u64, Vec<u32>)> {
+        let keys = engine_keys(keys)?;
+        let p = py.detach(|| self.lock().load_keys(&keys)).map_err(to_py)?;
+        Ok((p.ticket, p.page_slots.into_iter().flatten().collect()))
+    }
+
+    /// Plans a GPU -> host store of the pages of these engine keys: `(ticket, indices, slots, evicted)`, the
+    /// positions of the keys to copy (those not on the host yet) with the slot each goes to, and the engine keys
+    /// evicted to make room; None when the pool cannot take them all (nothing changes). Complete the ticket once
+    /// the copies are done, abort it if they failed.
+    fn store_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Option<KeyStoreTuple<'py>>> {
+        let keys = engine_keys(keys)?;
+        let Some(p) = py.detach(|| self.lock().store_keys(&keys)).map_err(to_py)? else { return Ok(None) };
+        let evicted = p.evicted.iter().map(|k| PyBytes::new(py, k)).collect();
+        Ok(Some((p.ticket, p.indices, p.slots, evicted)))
     }
 
     /// Drops a request's chain; returns whether the request was known.
