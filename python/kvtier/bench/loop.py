@@ -1,0 +1,127 @@
+"""`kvtier bench loop`: the host time of each engine-loop call at a real model's geometry (needs CUDA).
+
+An 8B-class model's KV (default: 32 layers, 8 KV heads x 128, bf16, blocks of 64 tokens: 8 MiB a block) in a
+layer-first pool (one tensor a layer) and a page-first one (one tensor, a block's layers side by side), a prompt of
+each length in ``--tokens``: per repetition a fresh prompt is stored (``store``, the call alone: it hashes,
+plans and enqueues the copies, and returns), the copies are waited for and retired (``poll``), then the prompt
+is resumed under a new request id (``resume``: lookup, allocation, the loads enqueued). The time of each call is
+the host's; the copies themselves run on kvtier's streams after it returns. Reported: median and maximum per call.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+LAYOUTS = ("layer-first", "page-first")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvtier.cli import at_least, parser
+
+    def lengths(text: str) -> list[int]:
+        return [at_least(64)(t) for t in text.split(",")]
+
+    ap = parser("kvtier bench loop", __doc__)
+    ap.add_argument("--tokens", type=lengths, default=[4096, 32768], help="prompt lengths, comma-separated")
+    ap.add_argument("--layers", type=at_least(1), default=32, help="model layers")
+    ap.add_argument("--kv-heads", type=at_least(1), default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=at_least(1), default=128, help="head dimension (bf16 elements)")
+    ap.add_argument("--block-size", type=at_least(1), default=64, help="tokens a block")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="layer-first and/or page-first")
+    ap.add_argument("--methods", default="auto", help="copy_method values, comma-separated (auto, kernel, dma)")
+    ap.add_argument("--reps", type=at_least(1), default=7, help="repetitions a configuration")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    a = ap.parse_args(argv)
+    layouts = a.layouts.split(",")
+    if any(x not in LAYOUTS for x in layouts):
+        ap.error(f"--layouts: each must be one of {', '.join(LAYOUTS)}, got {a.layouts!r}")
+    methods = a.methods.split(",")
+    if any(m not in ("auto", "kernel", "dma") for m in methods):
+        ap.error(f"--methods: each must be one of auto, kernel, dma, got {a.methods!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("kvtier bench loop needs a CUDA device; none is visible")
+
+    rows = []
+    for layout in layouts:
+        for tokens in a.tokens:
+            for method in methods:
+                row = run(a, layout, tokens, method)
+                rows.append(row)
+                print(json.dumps(row) if a.json else _line(row), flush=True)
+    return 0
+
+
+def _line(r: dict[str, Any]) -> str:
+    calls = "  ".join(f"{c} {r[c + '_ms_p50']:.3f}/{r[c + '_ms_max']:.3f} ms" for c in ("store", "poll", "resume"))
+    return f"{r['layout']:<11} {r['tokens']:>6} tokens  {r['method']:<6}  {calls}  (median/max)"
+
+
+def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
+    import torch
+
+    from kvtier.cache import HostPrefixCache
+
+    layer_bytes = 2 * a.kv_heads * a.head_dim * a.block_size * 2  # K and V, bf16
+    blocks = tokens // a.block_size
+    n_blocks = blocks + 1
+    if layout == "layer-first":
+        pages: Any = [torch.zeros((n_blocks, layer_bytes), dtype=torch.uint8, device="cuda") for _ in range(a.layers)]
+    else:
+        pages = torch.zeros((n_blocks, a.layers * layer_bytes), dtype=torch.uint8, device="cuda")
+    cache = HostPrefixCache(
+        pages,
+        block_size=a.block_size,
+        page_layers=a.layers,
+        host_bytes=(blocks + 1) * a.layers * layer_bytes,
+        preallocate=True,
+        copy_method=method,
+        hash_key="kvtier bench loop",
+    )
+    table = np.arange(n_blocks, dtype=np.int32)
+    times: dict[str, list[float]] = {"store": [], "poll": [], "resume": []}
+    rng = np.random.default_rng(0)
+
+    def timed(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        times[name].append(time.perf_counter() - t0)
+        return out
+
+    try:
+        for rep in range(a.reps + 1):  # the first repetition warms up and is not counted
+            prompt = rng.integers(0, 100_000, size=tokens + 1, dtype=np.int32)
+            timed("store", cache.store, f"s{rep}", prompt, table)
+            torch.cuda.synchronize()
+            timed("poll", cache.poll)
+            cache.forget(f"s{rep}")
+            hit = timed("resume", cache.resume, f"r{rep}", prompt, allocate=lambda: table)
+            torch.cuda.synchronize()
+            cache.poll()
+            cache.forget(f"r{rep}")
+            if hit != blocks * a.block_size:
+                raise SystemExit(f"kvtier bench loop: expected a hit of {blocks * a.block_size} tokens, got {hit}")
+            if rep == 0:
+                for v in times.values():
+                    v.clear()
+        stats = cache.stats()
+    finally:
+        cache.close()
+    row: dict[str, Any] = {"layout": layout, "tokens": tokens, "method": method, "reps": a.reps}
+    for name, v in times.items():
+        row[name + "_ms_p50"] = round(statistics.median(v) * 1e3, 3)
+        row[name + "_ms_max"] = round(max(v) * 1e3, 3)
+    row["page_bytes"] = a.layers * layer_bytes
+    row["errors"] = stats["errors"]
+    return row
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
