@@ -349,6 +349,7 @@ class PyIndex:
         while hits < len(pool_keys) and self.pages.ready_slot(pool_keys[hits]) is not None:
             hits += 1
         self.stats["lookups"] += 1
+        self.stats["lookup_tokens"] += len(keys) * self.block_size
         return hits, hits < len(pool_keys) and pool_keys[hits] in self.pages.entries
 
     def load_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:

@@ -75,12 +75,13 @@ impl Index {
     }
 
     /// How many of `keys` (a prompt's pages in order) are ready on the host from the first, and whether the next
-    /// one is being stored. Counted as a lookup; nothing is held.
+    /// one is being stored. Counted as a lookup of `keys.len()` blocks; nothing is held.
     pub fn lookup_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<KeyLookup> {
         let keys = self.engine_keys(keys)?;
         let hits = keys.iter().take_while(|&&k| self.pages.ready_slot(k).is_some()).count();
         let pending = keys.get(hits).is_some_and(|&k| self.pages.slot_of(k).is_some());
         self.stats.lookups += 1;
+        self.stats.lookup_tokens += (keys.len() * self.cfg.block_size) as u64;
         Ok(KeyLookup { hits, pending })
     }
 
@@ -240,6 +241,19 @@ mod tests {
         assert_eq!((ix.stats().hits, ix.stats().hit_tokens), (1, 8));
         ix.abort(l.ticket).unwrap();
         assert_eq!((ix.stats().hits, ix.pages().evictable()), (0, 2));
+    }
+
+    #[test]
+    fn a_key_given_twice_is_stored_once() {
+        let mut ix = index(4);
+        let p = ix.store_keys(&[k(1), k(2), k(1)]).unwrap().unwrap();
+        assert_eq!((p.indices, p.slots.len()), (vec![0, 1], 2));
+        ix.complete(p.ticket).unwrap();
+        let p = ix.store_keys(&[k(2), k(2), k(3)]).unwrap().unwrap();
+        assert_eq!(p.indices, vec![2]);
+        ix.complete(p.ticket).unwrap();
+        assert_eq!((ix.pages().used(), ix.pages().evictable()), (3, 3));
+        ix.check().unwrap();
     }
 
     #[test]
