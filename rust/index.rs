@@ -755,7 +755,8 @@ impl Index {
         if !self.events.enabled() || keys.is_empty() {
             return;
         }
-        let names = if self.names.is_empty() { Vec::new() } else { keys.iter().map(|&k| self.names.bytes(k)).collect() };
+        let names =
+            if self.names.is_empty() { Vec::new() } else { keys.iter().map(|&k| self.names.bytes(k)).collect() };
         self.events.record(removed, medium, keys, names);
     }
 

@@ -214,8 +214,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert rust.target == model.target
         assert self.rust.page_lru() == self.model.pages.lru_order()
         assert self.rust.state_lru() == self.model.states.lru_order()
-        got = [
-(e.seq, e.removed, e.medium, e.keys) for e in self.rust.take_events()]
+        got = [(e.seq, e.removed, e.medium, e.keys) for e in self.rust.take_events()]
         assert got == [(seq, removed, "CPU", keys) for seq, removed, keys in self.model.take_events()]
         assert stats["events_dropped"] == self.model.events_dropped
 

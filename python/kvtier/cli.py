@@ -1,4 +1,5 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,overlap,l3,pin,trace,loop}`, `kvtier soak`, `kvtier info`.
+"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,overlap,l3,pin,trace,loop}`, `kvtier soak`,
+`kvtier info`.
 
 Also the argument parsing every subcommand shares: `parser()` shows each option's default in `--help` and ends a
 bad option in one line and exit status 2; `at_least`, `at_most`, `between` and `plot_file` check arguments, and
