@@ -137,15 +137,6 @@ def test_host_pool_grows_in_pin_steps() -> None:
         host.grow_step()
 
 
-def test_host_pool_old_names_still_work() -> None:
-    host = HostPool(10, 4096, chunk_bytes=8192, pin=False)
-    assert host.chunk_bytes == host.step_bytes == 8192
-    assert host.grow_chunk() == 2
-    host.close()
-    with pytest.raises(ValueError, match="not both"):
-        HostPool(10, 4096, chunk_bytes=8192, step_bytes=8192, pin=False)
-
-
 @pytest.mark.parametrize(
     "args,exc,match",
     [

@@ -126,13 +126,9 @@ def test_every_bad_value_is_a_value_error_naming_the_setting(setting):
         assert CacheSettings(**{setting.name: "off"}).__getattr__(setting.name) is False
 
 
-def test_pin_chunk_bytes_is_a_deprecated_name_of_pin_step_bytes():
-    with pytest.warns(DeprecationWarning, match="pin_step_bytes"):
-        assert CacheSettings(pin_chunk_bytes="1MiB").pin_step_bytes == 1 << 20
-    with pytest.warns(DeprecationWarning, match="KVTIER_PIN_STEP_BYTES"):
-        assert CacheSettings.resolve({"KVTIER_PIN_CHUNK_BYTES": "2MiB"}).pin_step_bytes == 2 << 20
+def test_an_unknown_setting_is_refused():
     with pytest.raises(TypeError, match="unknown cache settings"):
-        CacheSettings(pin_bytes=1)
+        CacheSettings(pin_chunk_bytes="1MiB")
 
 
 def test_secrets_are_not_shown():

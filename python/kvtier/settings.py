@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +59,6 @@ class Setting:
     choices: tuple[str, ...] = ()
     shown: str | None = None  # the default as the README and `kvtier info` show it
     env: str | None = None  # default: KVTIER_<NAME>
-    old_names: tuple[str, ...] = ()  # deprecated names of the argument and variable
 
     @property
     def variable(self) -> str:
@@ -209,7 +207,6 @@ REGISTRY: tuple[Setting, ...] = (
         16 << 20,
         "host pools are pinned in pin steps of this size off the engine loop",
         minimum=1,
-        old_names=("pin_chunk_bytes",),
     ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
@@ -268,7 +265,6 @@ REGISTRY: tuple[Setting, ...] = (
     S("layerwise_loads", BOOL, False, "loads issued layer by layer; the engine calls `wait_layer(l)` before layer l"),
 )
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in REGISTRY}
-_OLD_NAMES = {old: s for s in REGISTRY for old in s.old_names}
 
 
 class CacheSettings:
@@ -288,13 +284,6 @@ class CacheSettings:
         return out
 
     def _init(self, arguments: dict[str, Any], env: Mapping[str, str]) -> None:
-        arguments = dict(arguments)
-        for old, s in _OLD_NAMES.items():
-            if arguments.get(old) is not None:
-                warnings.warn(f"setting {old} is now {s.name}", DeprecationWarning, stacklevel=4)
-                if arguments.get(s.name) is None:
-                    arguments[s.name] = arguments[old]
-            arguments.pop(old, None)
         unknown = set(arguments) - set(SETTINGS)
         if unknown:
             raise TypeError(f"unknown cache settings: {sorted(unknown)} (known: {', '.join(SETTINGS)})")
@@ -303,12 +292,9 @@ class CacheSettings:
         for s in REGISTRY:
             value, source, where = arguments.get(s.name), "argument", s.name
             if value is None:
-                for var in (s.variable, *(f"KVTIER_{old.upper()}" for old in s.old_names)):
-                    if env.get(var, "").strip():
-                        if var != s.variable:
-                            warnings.warn(f"{var} is now {s.variable}", DeprecationWarning, stacklevel=4)
-                        value, source, where = env[var], "env", f"{s.name} (from {var}={env[var]!r})"
-                        break
+                var = s.variable
+                if env.get(var, "").strip():
+                    value, source, where = env[var], "env", f"{s.name} (from {var}={env[var]!r})"
             if value is None or (s.kind == TEXT and s.default is None and value == ""):
                 values[s.name], sources[s.name] = s.default, "default"
                 continue
@@ -369,8 +355,7 @@ def markdown_table() -> str:
     """The README's settings table, made from the registry (a test keeps README.md equal to it)."""
     rows = ["| setting | variable | default | meaning |", "| --- | --- | --- | --- |"]
     for s in REGISTRY:
-        help_text = s.help + (f" (was `{'`, `'.join(s.old_names)}`)" if s.old_names else "")
-        rows.append(f"| {s.name} | {s.variable} | {s.default_text} | {help_text} |")
+        rows.append(f"| {s.name} | {s.variable} | {s.default_text} | {s.help} |")
     return "\n".join(rows)
 
 

@@ -22,7 +22,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
-/// (`step_bytes`) at a time. `chunk_bytes` and `grow_chunk` are deprecated names of `step_bytes` and `grow_step`.
+/// (`step_bytes`) at a time.
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
@@ -31,21 +31,9 @@ pub struct PyHostPool {
 #[pymethods]
 impl PyHostPool {
     #[new]
-    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None, chunk_bytes = None))]
-    fn new(
-        slots: i64,
-        slot_bytes: i64,
-        step_bytes: Option<i64>,
-        pin: Option<bool>,
-        chunk_bytes: Option<i64>,
-    ) -> PyResult<Self> {
-        let step_bytes = match (step_bytes, chunk_bytes) {
-            (Some(_), Some(_)) => {
-                return Err(PyValueError::new_err("give step_bytes or its old name chunk_bytes, not both"));
-            }
-            (Some(b), None) | (None, Some(b)) => b,
-            (None, None) => hostmem::DEFAULT_STEP_BYTES as i64,
-        };
+    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None))]
+    fn new(slots: i64, slot_bytes: i64, step_bytes: Option<i64>, pin: Option<bool>) -> PyResult<Self> {
+        let step_bytes = step_bytes.unwrap_or(hostmem::DEFAULT_STEP_BYTES as i64);
         let pool = HostPool::new(
             non_negative("slots", slots)?,
             non_negative("slot_bytes", slot_bytes)?,
@@ -68,12 +56,6 @@ impl PyHostPool {
 
     #[getter]
     fn step_bytes(&self) -> u64 {
-        self.inner.step_bytes()
-    }
-
-    /// Deprecated name of `step_bytes`.
-    #[getter]
-    fn chunk_bytes(&self) -> u64 {
         self.inner.step_bytes()
     }
 
@@ -100,11 +82,6 @@ impl PyHostPool {
     /// Back and pin the next pin step (the GIL is released meanwhile); returns usable_slots after it.
     fn grow_step(&self, py: Python<'_>) -> PyResult<u32> {
         py.detach(|| self.inner.grow_step()).map_err(to_py)
-    }
-
-    /// Deprecated name of `grow_step`.
-    fn grow_chunk(&self, py: Python<'_>) -> PyResult<u32> {
-        self.grow_step(py)
     }
 
     /// Grow until at least `slots` slots are usable (or the pool is full); returns usable_slots.

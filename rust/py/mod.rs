@@ -15,6 +15,7 @@ mod cache;
 mod copy;
 mod index;
 mod l3;
+mod objects;
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of kvtier's own errors.");
 create_exception!(
@@ -317,6 +318,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stat_table, m)?)?;
     index::register(m)?;
     l3::register(m)?;
+    objects::register(m)?;
     copy::register(m)?;
     cache::register(m)?;
     Ok(())

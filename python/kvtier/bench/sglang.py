@@ -1,0 +1,238 @@
+"""`kvtier bench sglang`: SGLang HiCache's zero-copy calls through kvtier's backend against SGLang's own Mooncake one.
+
+Needs SGLang (its storage interface, backend factory and host pools import on a CPU machine) and Mooncake. Starts a
+Mooncake master and holder on loopback, builds one real SGLang host pool (``MHATokenToKVPoolHost``, page-first, on
+the CPU) and three backends through SGLang's own factory on that master: SGLang's Mooncake backend
+(``--hicache-storage-backend mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) zero-copy
+(``l3_zero_copy``: the host pool registered, as SGLang's always is) and staged (kvtier's default: only its staging
+buffers registered). Each round, every backend stores ``--pages`` fresh pages with ``batch_set_v1`` (the same
+host pages, keys of its own) and reads them back into other host pages with ``batch_get_v1``; the bytes read are
+compared with those written. Throughput is page bytes per second (GB/s, 1e9 bytes/s; kvtier's 80-byte headers not
+counted), medians over the rounds. Run: ``kvtier bench sglang [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+KVTIER_BACKEND = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore"}
+
+
+def host_pool(
+    *,
+    mla: bool = False,
+    layout: str = "page_first",
+    pages: int = 64,
+    page_size: int = 16,
+    layers: int = 4,
+    heads: int = 4,
+    head_dim: int = 64,
+    dtype: Any = None,
+) -> Any:
+    """A real SGLang host KV pool on the CPU (``MHATokenToKVPoolHost`` or, ``mla``, ``MLATokenToKVPoolHost``) of
+    at least ``pages`` pages, built from CPU "device" buffers as SGLang's pool assembler builds it from GPU ones."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SGLang warns on import that its GPU quantization kernels are absent
+        from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dtype = dtype or torch.float16
+    tokens = pages * page_size
+    cpu = torch.device("cpu")
+
+    def ptrs(ts: tuple[Any, ...]) -> Any:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    common = dict(pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    if mla:
+        rows = tuple(torch.zeros(tokens, 1, head_dim, dtype=dtype) for _ in range(layers))
+        info = MLABufferInfo(
+            buffers=rows,
+            data_ptrs=ptrs(rows),
+            layer_indices=tuple(range(layers)),
+            device_layer_num=layers,
+            page_size=page_size,
+            kv_lora_rank=head_dim - head_dim // 4,
+            qk_rope_head_dim=head_dim // 4,
+            kv_cache_dim=head_dim,
+            dtype=dtype,
+            device=cpu,
+        )
+        return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, target_layer_num=layers, **common)
+    k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    buffers = KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD)
+    mha = MHABufferInfo(
+        buffers=buffers,
+        page_size=page_size,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        dtype=dtype,
+        device=cpu,
+    )
+    return MHATokenToKVPoolHost(mha, 1.0, 0, page_size, layout, **common)
+
+
+def storage_config(extra_config: dict[str, Any] | None, *, model_name: str = "bench-model", **ranks: Any) -> Any:
+    """SGLang's ``HiCacheStorageConfig`` of one rank (rank 0 of 1 unless ``ranks`` say otherwise)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    fields: dict[str, Any] = dict(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model_name,
+    )
+    fields.update(ranks)
+    return HiCacheStorageConfig(**fields, extra_config=extra_config)
+
+
+def sglang_mooncake_config(master_addr: str) -> dict[str, Any]:
+    """The extra config of SGLang's own Mooncake backend on a loopback master (no memory of its own)."""
+    return {
+        "master_server_address": master_addr,
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "device_name": "",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+    }
+
+
+def build(backend: str, extra_config: dict[str, Any], pool: Any, **ranks: Any) -> Any:
+    """A backend built by SGLang's own factory, as its cache controller builds it, with the host pool registered.
+    ``backend``: ``"dynamic"`` (the extra config names the class) or a built-in name such as ``"mooncake"``."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    config = storage_config(extra_config, **ranks)
+    storage = StorageBackendFactory.create_backend(backend, config, pool)
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+def page_bytes_of(pool: Any, index: int) -> Any:
+    """The bytes of the host page at token ``index`` (compared as bytes: random float16 bits include NaNs)."""
+    import torch
+
+    return pool.get_data_page(index).contiguous().view(torch.uint8)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from kvtier.cli import at_least, parser
+
+    ap = parser("kvtier bench sglang", __doc__)
+    ap.add_argument("--pages", type=at_least(1), default=64, help="pages a batch_set_v1 / batch_get_v1 call moves")
+    ap.add_argument("--page-size", type=at_least(1), default=16, help="tokens a page")
+    ap.add_argument("--layers", type=at_least(1), default=8, help="layers of the pool")
+    ap.add_argument("--heads", type=at_least(1), default=8, help="KV heads of the pool")
+    ap.add_argument("--head-dim", type=at_least(1), default=64, help="head dimension (float16)")
+    ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
+    ap.add_argument("--segment-mib", type=at_least(1), default=2048, help="the holder's segment")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    return ap.parse_args(argv)
+
+
+def _round(storage: Any, keys: list[str], src: Any, dst: Any) -> tuple[float, float, bool]:
+    t0 = time.perf_counter()
+    put = storage.batch_set_v1(keys, src)
+    t1 = time.perf_counter()
+    got = storage.batch_get_v1(keys, dst)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, all(put) and all(got)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        import torch
+
+        from kvtier.l3.server import LocalMooncake
+        from kvtier.l3.store import import_mooncake
+
+        import_mooncake()
+        pool = host_pool(pages=2 * a.pages, page_size=a.page_size, layers=a.layers, heads=a.heads, head_dim=a.head_dim)
+    except ImportError as e:
+        print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
+        return 2
+    tokens = a.pages * a.page_size
+    src, dst = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
+    page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
+    kvtier = {**KVTIER_BACKEND, "interface_v1": 1, "model_version": "bench", "hash_key": "kvtier bench"}
+    results: dict[str, Any] = {}
+    with LocalMooncake(segment_bytes=a.segment_mib << 20, lease_ttl_ms=10_000) as server:
+        backends = {
+            "sglang mooncake": build("mooncake", sglang_mooncake_config(server.master_addr), pool),
+            "kvtier zero-copy": build(
+                "dynamic", {**kvtier, "l3_master": server.master_addr, "l3_zero_copy": True}, pool
+            ),
+            "kvtier staged": build("dynamic", {**kvtier, "l3_master": server.master_addr}, pool),
+        }
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
+        for r in range(a.rounds + 1):  # round 0 warms every path up and is not timed
+            for name, storage in backends.items():
+                pool.kv_buffer.view(torch.uint8).random_(0, 256)  # fresh bytes: a stale page cannot pass
+                keys = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(a.pages)]
+                put_s, get_s, ok = _round(storage, keys, src, dst)
+                same = all(
+                    torch.equal(page_bytes_of(pool, int(s)), page_bytes_of(pool, int(d)))
+                    for s, d in zip(src[:: a.page_size], dst[:: a.page_size], strict=True)
+                )
+                if not (ok and same):
+                    print(f"kvtier bench sglang: {name} did not round-trip the pages (round {r})", file=sys.stderr)
+                    return 1
+                if r:
+                    times[name].append((put_s, get_s))
+        for name, storage in backends.items():
+            put = statistics.median(t[0] for t in times[name])
+            get = statistics.median(t[1] for t in times[name])
+            results[name] = {
+                "batch_set_v1_GBps": round(a.pages * page_bytes / put / 1e9, 3),
+                "batch_get_v1_GBps": round(a.pages * page_bytes / get / 1e9, 3),
+            }
+            if hasattr(storage, "stats"):
+                results[name]["rejected"] = storage.stats()["sglang_rejected"]
+            if hasattr(storage, "close"):
+                storage.close()
+    base = results["sglang mooncake"]
+    for r in results.values():
+        for op in ("batch_set_v1_GBps", "batch_get_v1_GBps"):
+            r[op.replace("_GBps", "_vs_sglang")] = round(r[op] / base[op], 3)
+    out = {
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {platform.node()}",
+        "pages": a.pages,
+        "page_bytes": page_bytes,
+        "rounds": a.rounds,
+        "results": results,
+    }
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{a.pages} pages of {page_bytes} bytes a call, medians of {a.rounds} rounds (GB/s; ratio to SGLang's):")
+    print(f"{'backend':<18}{'batch_set_v1':>16}{'batch_get_v1':>16}")
+    for name, r in results.items():
+        cells = [f"{r[f'{op}_GBps']:.3f} ({r[f'{op}_vs_sglang']:.2f})" for op in ("batch_set_v1", "batch_get_v1")]
+        print(f"{name:<18}{cells[0]:>16}{cells[1]:>16}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,542 @@
+"""SGLang's HiCache storage on kvtier's verified Mooncake tier: ``kvtier.sglang.KvtierStore``.
+
+SGLang keeps its own host pool and radix tree; this is its L3 backend, loaded by SGLang's storage-backend factory:
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore", "interface_v1": 1,
+        "l3_master": "10.0.0.5:50051", "model_version": "<checkpoint revision>", "hash_key": "<deployment secret>"}'
+
+Every other key of the extra config is a kvtier setting (``docs/SGLANG.md`` lists those it reads); the
+``KVTIER_*`` environment variables are read for the ones the JSON leaves out.
+
+Objects are kvtier's verified L3 objects (rust/l3.rs): one per SGLang page, a header (format, fingerprint digest,
+the page's chain key, payload length, digest of all of it) before the page's bytes in the order of the host pool's
+``get_page_buffer_meta``. The chain key is SGLang's page hash mapped to 128 bits (BLAKE3 key derivation); the Store
+key ``kvtier/v<format>/<fingerprint>/g1/<key>`` carries the fingerprint, which covers the model (SGLang's model
+name and kvtier's ``model_version``), the shard (TP rank and size, or ``replicated`` for MLA, whose one writer
+rank SGLang picks; PP and attention-CP rank and size), the page's bytes and tokens, layout, dtype and pieces. An
+object that fails its check (a flipped bit, another model's object under this key, a value of another length) is
+counted, removed from the Store and never served: its page reads as not found.
+
+Two ways objects move, as in kvtier's own tier (``l3_zero_copy``):
+- default: through two staging buffers of their own (puts, gets), the only memory registered with Mooncake; a get
+  is copied out into the host pool before it is checked there, so no transfer-engine peer can write memory SGLang
+  loads from;
+- ``l3_zero_copy``: SGLang's host pool is registered and objects move straight from and into it (SGLang's own
+  Mooncake backend always works so: a trusted Mooncake network only); every object is still checked.
+
+The deprecated calls that take tensors or raw pointers (``get``, ``set``, ``batch_get``, ``batch_set``) always move
+through the staging buffers. The ``_v2`` calls of hybrid models' extra pools are not implemented (SGLang raises
+NotImplementedError for them).
+
+Failure policy: bad arguments raise (ValueError / TypeError naming the value); a Store that fails, times out or
+is closed makes a call answer "not stored" / "not found" (counted, logged), never an exception into SGLang's
+HiCache threads. A Store call that timed out may still use its buffers: the call waits until it returned before
+they are used again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
+from kvtier.identity import Shard, layout_fields
+from kvtier.l3.errors import L3Error, L3Timeout
+from kvtier.l3.store import OBJECT_NOT_FOUND, WRONG_LENGTH, MooncakeStore, Store, StoreConfig
+from kvtier.settings import CacheSettings
+
+log = logging.getLogger("kvtier.sglang")
+
+# Keys of the extra config that are SGLang's own (the factory's and the cache controller's), not kvtier settings.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "tp_lcm_size",
+    }
+)
+# The kvtier settings this backend reads (the others are the host cache's and have no meaning here).
+SETTINGS_READ = (
+    "hash_key",
+    "model_version",
+    "l3_master",
+    "l3_metadata_server",
+    "l3_protocol",
+    "l3_local_hostname",
+    "l3_segment_bytes",
+    "l3_buffer_bytes",
+    "l3_zero_copy",
+    "l3_staging_bytes",
+    "l3_trusted_store",
+)
+# Objects one Store call moves at most (SGLang's HiCache batches 128 pages).
+HEADER_SLOTS = 256
+
+COUNTERS = (
+    "pages_put",
+    "pages_present",
+    "puts_failed",
+    "bytes_put",
+    "pages_loaded",
+    "bytes_loaded",
+    "misses",
+    "lost",
+    "rejected",
+    "rejected_removed",
+    "store_errors",
+)
+
+Pieces = list[list[tuple[int, int]]]
+
+
+def settings_of(extra_config: Mapping[str, Any] | None) -> CacheSettings:
+    """The kvtier settings of a HiCache extra config (SGLang's own keys left out; ``KVTIER_*`` variables for what
+    it leaves out). Raises for a key that is neither, and without ``model_version``."""
+    values = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    unknown = sorted(set(values) - set(SETTINGS_READ))
+    if unknown:
+        raise ValueError(
+            f"extra config keys {unknown} are neither SGLang's nor settings of kvtier's SGLang backend "
+            f"(it reads {', '.join(SETTINGS_READ)})"
+        )
+    settings = CacheSettings.resolve(l3="mooncake", **values)
+    if settings.model_version is None:
+        raise ValueError(
+            "kvtier's SGLang backend needs model_version (in the extra config or KVTIER_MODEL_VERSION): a revision "
+            "of the model the deployment vouches for; SGLang's model name says where the weights came from, not "
+            "what they are"
+        )
+    return settings
+
+
+def storage_identity(config: HiCacheStorageConfig, pool: Any, model_version: str) -> dict[str, str]:
+    """The fingerprint fields of the pages a SGLang rank stores: model, shard, and the page's bytes as the host
+    pool lays them out (``pool.get_page_buffer_meta`` of one page)."""
+    if config.should_split_heads:
+        raise ValueError("kvtier's SGLang backend does not split heads across TP sizes (tp_lcm_size); unset it")
+    if config.dcp_size > 1:
+        raise ValueError(
+            f"kvtier's SGLang backend does not support decode context parallelism, dcp_size={config.dcp_size}"
+        )
+    _, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size))
+    shard = Shard(
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        cp_rank=config.attn_cp_rank,
+        cp_size=config.attn_cp_size,
+        kv_replicated=bool(config.is_mla_model),
+    )
+    return layout_fields(
+        page_bytes=sum(sizes),
+        state_bytes=0,
+        block_size=pool.page_size,
+        layout=f"sglang.{pool.layout}",
+        hash_kind="sglang.page_hash",
+        key_id="sglang",
+        shard=shard,
+        model_fields={
+            "name": "sglang",
+            "model_name": config.model_name or "",
+            "dtype": str(getattr(pool, "dtype", "")),
+            "pieces": len(sizes),
+        },
+        model_version=model_version,
+    )
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError(f"keys must be a list of page hashes, got {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"keys[{i}] must be a non-empty page hash string, got {key!r}")
+
+
+def _tensor_pieces(values: Sequence[Any], what: str) -> Pieces:
+    out = []
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.Tensor) or v.device.type != "cpu" or not v.is_contiguous() or v.numel() == 0:
+            raise ValueError(f"{what}[{i}] must be a non-empty contiguous CPU tensor, got {v!r:.80}")
+        out.append([(v.data_ptr(), v.numel() * v.element_size())])
+    return out
+
+
+def _pointer_pieces(locations: Sequence[Any], sizes: Sequence[Any] | None, what: str) -> Pieces:
+    if sizes is None or len(sizes) != len(locations):
+        raise ValueError(f"{what}: need one size per location, got {locations!r:.80} and {sizes!r:.80}")
+    out = []
+    for i, (p, n) in enumerate(zip(locations, sizes, strict=True)):
+        ptrs, lens = (p, n) if isinstance(p, (list, tuple)) else ([p], [n])
+        if len(ptrs) != len(lens) or not all(isinstance(x, int) and x > 0 for x in (*ptrs, *lens)):
+            raise ValueError(f"{what}[{i}]: need positive int addresses and sizes, got {p!r} and {n!r}")
+        out.append(list(zip(ptrs, lens, strict=True)))
+    return out
+
+
+class _Buffer:
+    """Zeroed host memory handed to the Store by address (header slots, staging)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.addr = int(self.array.ctypes.data)
+        self.nbytes = nbytes
+
+
+class KvtierStore(HiCacheStorage):
+    """A SGLang ``HiCacheStorage`` whose pages are kvtier's verified objects in Mooncake Store.
+
+    Built by SGLang's factory as ``KvtierStore(storage_config, kwargs)``; ``register_mem_pool_host(pool)`` must
+    follow before any page moves. ``store_factory(config)`` builds the Store client (kvtier's ``MooncakeStore`` by
+    default; a seam for Stores that wrap it).
+    """
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        store_factory: Callable[[StoreConfig], Store] | None = None,
+    ) -> None:
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            raise TypeError(f"storage_config must be a HiCacheStorageConfig, got {type(storage_config).__name__}")
+        self.storage_config = storage_config
+        self.settings = settings_of(storage_config.extra_config)
+        s = self.settings
+        self.zero_copy = bool(s.l3_zero_copy)
+        self._format: ObjectFormat | None = None
+        self._pool: Any = None
+        self._pool_range = (0, 0)
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(COUNTERS, 0)
+        # One set of header slots and one staging buffer per direction: SGLang's backup and prefetch threads run
+        # at once, and each direction's lock orders the calls that use them.
+        self._put_lock = threading.Lock()
+        self._get_lock = threading.Lock()
+        self._headers = {d: _Buffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
+        self._staging = {d: _Buffer(s.l3_staging_bytes) for d in ("put", "get")}
+        config = StoreConfig(
+            s.l3_master,
+            metadata_server=s.l3_metadata_server,
+            protocol=s.l3_protocol,
+            local_hostname=s.l3_local_hostname,
+            global_segment_bytes=s.l3_segment_bytes,
+            local_buffer_bytes=s.l3_buffer_bytes,
+        )
+        self.store: Store = (store_factory or MooncakeStore)(config)
+        self._registered: list[int] = []
+        try:
+            buffers = [*self._staging.values(), *(self._headers.values() if self.zero_copy else ())]
+            for b in buffers:
+                self._register(b.addr, b.nbytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        self.store.register(ptr, nbytes)
+        self._registered.append(ptr)
+
+    # Identity and the host pool
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The host pool pages move from and into: the objects' identity is fixed here (its layout and page bytes)
+        and, zero-copy, its memory is registered with the Store."""
+        kv = getattr(mem_pool_host, "kv_buffer", None)
+        if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
+            raise ValueError(
+                f"kvtier's SGLang backend needs a host pool with a CPU kv_buffer, got {type(mem_pool_host).__name__}"
+            )
+        fields = storage_identity(self.storage_config, mem_pool_host, self.settings.model_version)
+        largest = L3_HEADER_BYTES + int(fields["page_bytes"])
+        if largest > self.settings.l3_staging_bytes:
+            raise ValueError(
+                f"l3_staging_bytes must hold one page object ({largest} bytes), got {self.settings.l3_staging_bytes}"
+            )
+        super().register_mem_pool_host(mem_pool_host)
+        base = kv.data_ptr()
+        self._pool_range = (base, base + kv.numel() * kv.element_size())
+        if self.zero_copy:
+            self._register(base, kv.numel() * kv.element_size())
+        self._pool = mem_pool_host
+        self._format = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
+        log.info(
+            "kvtier SGLang backend: fingerprint %s, %s, %d bytes a page",
+            self.fingerprint,
+            "zero-copy" if self.zero_copy else "staged",
+            int(fields["page_bytes"]),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fmt().fingerprint
+
+    def _fmt(self) -> ObjectFormat:
+        if self._format is None:
+            raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
+        return self._format
+
+    def store_keys(self, keys: Sequence[str]) -> list[str]:
+        """The Store key of each SGLang page hash."""
+        _check_keys(keys)
+        fmt = self._fmt()
+        return fmt.store_keys(fmt.keys(list(keys)))
+
+    def _page_pieces(self, keys: Sequence[str], host_indices: Any) -> Pieces:
+        """Each page's ``(address, bytes)`` pieces in the host pool, checked to lie inside it."""
+        _check_keys(keys)
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise TypeError(f"host_indices must be a 1-D tensor, got {host_indices!r:.80}")
+        if host_indices.numel() != len(keys) * pool.page_size:
+            raise ValueError(
+                f"host_indices must hold {len(keys)} pages of {pool.page_size} tokens, got {host_indices.numel()}"
+            )
+        if len(keys) == 0:
+            return []
+        lo, hi = int(host_indices.min()), int(host_indices.max())
+        size = getattr(pool, "size", None)
+        if lo < 0 or (size is not None and hi >= size):
+            raise ValueError(f"host_indices must lie in [0, {size}), got {lo}..{hi}")
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // len(keys)
+        if per * len(keys) != len(ptrs) or len(sizes) != len(ptrs):
+            raise ValueError(f"the host pool gave {len(ptrs)} pieces for {len(keys)} pages")
+        start, end = self._pool_range
+        if min(ptrs) < start or max(p + n for p, n in zip(ptrs, sizes, strict=True)) > end:
+            raise ValueError("the host pool gave page pieces outside its kv_buffer")
+        return [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
+
+    # Moving objects
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for k, n in counts.items():
+                self._stats[k] += n
+
+    def _runs(self, pieces: Pieces, staged: bool) -> list[tuple[int, int]]:
+        """Consecutive objects one Store call moves: at most the header slots, and staged what the staging buffer
+        holds."""
+        cap = self.settings.l3_staging_bytes if staged else None
+        out, start, nbytes = [], 0, 0
+        for i, p in enumerate(pieces):
+            size = L3_HEADER_BYTES + sum(n for _, n in p)
+            if i > start and (i - start == HEADER_SLOTS or (cap is not None and nbytes + size > cap)):
+                out.append((start, i))
+                start, nbytes = i, 0
+            nbytes += size
+        if start < len(pieces):
+            out.append((start, len(pieces)))
+        return out
+
+    def _wait_out(self, e: L3Timeout) -> None:
+        """A Store call that timed out may still use its buffers: wait until it returned before reusing them."""
+        log.warning("kvtier SGLang backend: %s; waiting for it before its buffers are reused", e)
+        e.pending.exception()
+
+    def _put(self, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+        """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
+        present."""
+        fmt = self._fmt()
+        keys = fmt.keys(list(hashes))
+        skeys = fmt.store_keys(keys)
+        try:
+            present = self.store.exists_many(skeys)
+        except L3Error as e:
+            log.warning("kvtier SGLang backend: exists before a put failed: %s", e)
+            self._count(store_errors=1, puts_failed=len(keys))
+            return [False] * len(keys)
+        done = [code == 1 for code in present]
+        todo = [i for i, code in enumerate(present) if code != 1]
+        self._count(pages_present=len(keys) - len(todo))
+        headers, staging = self._headers["put"], self._staging["put"]
+        with self._put_lock:
+            for start, end in self._runs([pieces[i] for i in todo], staged):
+                run = todo[start:end]
+                ptrs = [[p for p, _ in pieces[i]] for i in run]
+                sizes = [[n for _, n in pieces[i]] for i in run]
+                fmt.seal(headers.addr, [keys[i] for i in run], ptrs, sizes)
+                wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
+                wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
+                if staged:
+                    stage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes)
+                    wire_ptrs, wire_sizes = self._staged_wire(staging, wire_sizes)
+                try:
+                    codes = self.store.put_many([skeys[i] for i in run], wire_ptrs, wire_sizes)
+                except L3Error as e:
+                    if isinstance(e, L3Timeout):
+                        self._wait_out(e)
+                    log.warning("kvtier SGLang backend: put of %d pages failed: %s", len(run), e)
+                    self._count(store_errors=1, puts_failed=len(run))
+                    continue
+                for i, code in zip(run, codes, strict=True):
+                    done[i] = code == 0
+                stored = [s for code, s in zip(codes, wire_sizes, strict=True) if code == 0]
+                self._count(pages_put=len(stored), bytes_put=sum(map(sum, stored)), puts_failed=len(run) - len(stored))
+        return done
+
+    @staticmethod
+    def _staged_wire(staging: _Buffer, wire_sizes: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each object as one range of the staging buffer, one after another."""
+        ptrs, sizes, at = [], [], staging.addr
+        for s in wire_sizes:
+            ptrs.append([at])
+            sizes.append([sum(s)])
+            at += sum(s)
+        return ptrs, sizes
+
+    def _get(self, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+        """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
+        fmt = self._fmt()
+        keys = fmt.keys(list(hashes))
+        skeys = fmt.store_keys(keys)
+        ok = [False] * len(keys)
+        headers, staging = self._headers["get"], self._staging["get"]
+        with self._get_lock:
+            for start, end in self._runs(pieces, staged):
+                ptrs = [[p for p, _ in pieces[i]] for i in range(start, end)]
+                sizes = [[n for _, n in pieces[i]] for i in range(start, end)]
+                wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
+                wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
+                call_ptrs, call_sizes = self._staged_wire(staging, wire_sizes) if staged else (wire_ptrs, wire_sizes)
+                try:
+                    got = self.store.get_many(skeys[start:end], call_ptrs, call_sizes)
+                except L3Error as e:
+                    if isinstance(e, L3Timeout):
+                        self._wait_out(e)
+                    log.warning("kvtier SGLang backend: get of %d pages failed: %s", end - start, e)
+                    self._count(store_errors=1)
+                    continue
+                if staged:
+                    unstage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes, got)
+                verdicts = fmt.check(headers.addr, keys[start:end], ptrs, sizes, got)
+                self._judge(skeys[start:end], got, verdicts, ok, start)
+        return ok
+
+    def _judge(self, skeys: list[str], got: list[int], verdicts: list[str | None], ok: list[bool], at: int) -> None:
+        rejected = []
+        for j, (code, why) in enumerate(zip(got, verdicts, strict=True)):
+            if why is None:
+                ok[at + j] = True
+                self._count(pages_loaded=1, bytes_loaded=code)
+            elif code == OBJECT_NOT_FOUND:
+                self._count(misses=1)
+            elif code < 0 and code != WRONG_LENGTH:
+                self._count(lost=1)
+            else:
+                rejected.append((skeys[j], why))
+        if not rejected:
+            return
+        self._count(rejected=len(rejected))
+        log.warning("kvtier SGLang backend: %d objects rejected, first %s: %s", len(rejected), *rejected[0])
+        for key, _ in rejected:
+            # Removed so that an honest writer can put the right bytes (the first writer wins otherwise).
+            try:
+                if self.store.remove(key, True) == 0:
+                    self._count(rejected_removed=1)
+            except L3Error as e:
+                log.info("kvtier SGLang backend: removing rejected object %s failed: %s", key, e)
+
+    # HiCacheStorage: zero-copy calls on the registered host pool
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._put(keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._get(keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many of the pages, from the first, the Store has."""
+        skeys = self.store_keys(keys)
+        try:
+            codes = self.store.exists_many(skeys)
+        except L3Error as e:
+            log.warning("kvtier SGLang backend: exists failed: %s", e)
+            self._count(store_errors=1)
+            return 0
+        return next((i for i, code in enumerate(codes) if code != 1), len(codes))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # HiCacheStorage: the deprecated calls with tensors or raw pointers (always through the staging buffers)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Into a CPU tensor (returns it, or None) or, as SGLang's Mooncake backend takes it, an address and size
+        (returns whether it was found and verified)."""
+        if isinstance(target_location, torch.Tensor):
+            return self.batch_get([key], [target_location])[0]
+        return self.batch_get([key], [target_location], [target_sizes]) == 1
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        """Tensors: a list of each tensor filled, or None. Addresses and sizes: how many pages, from the first,
+        were found and verified."""
+        _check_keys(keys)
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError(f"need one target location per key, got {target_locations!r:.80}")
+        if all(isinstance(t, torch.Tensor) for t in target_locations):
+            ok = self._get(keys, _tensor_pieces(target_locations, "target_locations"), staged=True)
+            return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
+        ok = self._get(keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True)
+        return next((i for i, hit in enumerate(ok) if not hit), len(ok))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        if value is not None:
+            return self.batch_set([key], [value])
+        return self.batch_set([key], target_locations=[target_location], target_sizes=[target_sizes])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Puts each tensor of ``values``, or each address and size; True when every page is stored (or was)."""
+        _check_keys(keys)
+        if values is not None:
+            pieces = _tensor_pieces(values, "values")
+        elif target_locations is not None:
+            pieces = _pointer_pieces(target_locations, target_sizes, "target_locations")
+        else:
+            raise ValueError("batch_set needs values or target_locations")
+        if len(pieces) != len(keys):
+            raise ValueError(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
+        return bool(keys) and all(self._put(keys, pieces, staged=True))
+
+    # Statistics and shutdown
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pages put, present, failed and loaded; ``rejected`` objects (failed their check, never served)
+        and how many of them were removed; ``misses`` (not in the Store), ``lost`` (other Store codes)."""
+        with self._lock:
+            return {f"sglang_{k}": v for k, v in self._stats.items()}
+
+    def close(self) -> None:
+        """Unregisters the buffers and closes the Store client. Idempotent."""
+        store = getattr(self, "store", None)
+        if store is None:
+            return
+        for ptr in self._registered:
+            try:
+                store.unregister(ptr)
+            except L3Error as e:
+                log.warning("kvtier SGLang backend: unregister failed: %s", e)
+        self._registered.clear()
+        store.close()
+        self.store = None  # type: ignore[assignment]
