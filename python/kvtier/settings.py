@@ -204,8 +204,8 @@ REGISTRY: tuple[Setting, ...] = (
     S(
         "pin_step_bytes",
         BYTES,
-        16 << 20,
-        "host pools are pinned in pin steps of this size off the engine loop",
+        256 << 20,
+        "host pools are pinned in pin steps of this size off the engine loop (a copy-engine piece stays in one)",
         minimum=1,
     ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),

@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = parser("kvtier bench pin", __doc__)
     ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
-    ap.add_argument("--pin-step-mib", type=at_least(1), default=16, help="pin step, in MiB")
+    ap.add_argument("--pin-step-mib", type=at_least(1), default=256, help="pin step, in MiB")
     ap.add_argument("--device", default="cuda", help="cpu or cuda")
     ap.add_argument("--model", default="small", help="model size preset of the reference engine")
     ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="serve this long after pinning")
