@@ -440,14 +440,14 @@ def test_master_killed_mid_workload_then_back(timed):
         for name in ("try_resume", "on_prefill_step", "poll"):
             fn = getattr(a, name)
 
-            def timed(*args, _fn=fn):  # type: ignore[no-untyped-def]
+            def clocked(*args, _fn=fn):  # type: ignore[no-untyped-def]
                 t0 = time.perf_counter()
                 try:
                     return _fn(*args)
                 finally:
                     calls.append(time.perf_counter() - t0)
 
-            setattr(a, name, timed)
+            setattr(a, name, clocked)
         put_after_restart = []
 
         def on_turn(t: int) -> None:
@@ -516,7 +516,7 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server, timed):
     times: list[tuple[float, str]] = []
     table = np.arange(n_pages, dtype=np.int32)
 
-    def timed(what, fn, *args, **kw):  # type: ignore[no-untyped-def]
+    def clock(what, fn, *args, **kw):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         r = fn(*args, **kw)
         times.append((time.perf_counter() - t0, what))
@@ -527,9 +527,9 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server, timed):
     hit, steps = -1, 0
     while hit == -1:
         # Decode steps of other requests: a poll and a short prompt's miss per step.
-        timed("poll", b.poll)
-        timed("miss", b.resume, f"other-{steps}", prompt[:40] + 1, allocate=lambda: table)
-        hit = timed(f"resume {steps}", b.resume, "long", prompt, allocate=lambda: table)
+        clock("poll", b.poll)
+        clock("miss", b.resume, f"other-{steps}", prompt[:40] + 1, allocate=lambda: table)
+        hit = clock(f"resume {steps}", b.resume, "long", prompt, allocate=lambda: table)
         steps += 1
         time.sleep(0.001)
     b.poll()
@@ -543,7 +543,8 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server, timed):
         f"{n_pages * page_bytes >> 20} MiB memcpy {times[-1][0] * 1e3:.2f} ms; fetch "
         f"{s['l3_get_seconds'] * 1e3:.1f} ms"
     )
-    # A functional bound, not the speed target (1 ms; docs/PERFORMANCE.md): no call waits for the Store's get.
+    # A functional bound, not the speed target (1 ms; docs/PERFORMANCE.md): no call waits for the Store's get. Only
+    # in the slow run's copy (`timed`): the default run asserts no wall time.
     if timed:
         assert no_copy[-1][0] < 0.05, no_copy[-3:]
     a.close()
