@@ -28,6 +28,7 @@ BENCHMARKS = {
     "overlap": "time to first token with whole and layer-wise loads; decode while a store streams (needs CUDA)",
     "l3": "the L3 tier against raw Mooncake Store calls",
     "sglang": "SGLang HiCache's zero-copy calls: kvtier's backend against SGLang's Mooncake one (needs SGLang)",
+    "vllm": "kvtier's vLLM offloading manager against vLLM's CPUOffloadingManager, 2048 keys (needs vLLM)",
     "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
     "trace": "token hit rate of each eviction policy on a request trace (Mooncake format), by pool size",
     "loop": "host time of each engine-loop call (store, poll, resume) at an 8B model's geometry (needs CUDA)",

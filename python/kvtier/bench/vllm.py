@@ -1,0 +1,231 @@
+"""`kvtier bench vllm`: kvtier's vLLM offloading manager against vLLM's own CPUOffloadingManager (lru and arc).
+
+Both managers run side by side in one process on the same keys (vLLM's OffloadKey: a sha256 block hash and a
+4-byte group), with as many host slots as keys. Timed, each the median of the repeats: a lookup of every stored key
+(vLLM's scheduler calls lookup once a key), a prepare_store of as many new keys (evicting all the stored ones), its
+complete_store, and the request's on_request_finished. Needs vLLM 0.33 (kvtier[vllm]).
+
+With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
+vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
+bytes, whether the round trip is exact, and a bf16 GEMM (8192^3, 20 times) alone and with a store and a load on
+kvtier's copy streams beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+MANAGERS = ("vllm-lru", "vllm-arc", "kvtier-lru", "kvtier-adaptive")
+STEPS = ("lookup", "prepare_store", "complete_store", "on_request_finished")
+
+
+def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Median milliseconds of each step, a manager."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvtier.vllm import KvtierManager
+
+    def make(name: str) -> Any:
+        side, policy = name.split("-")
+        if side == "kvtier":
+            return KvtierManager(keys, eviction_policy=policy)
+        return CPUOffloadingManager(num_chunks=keys, cache_policy=policy)
+
+    def batch(base: int) -> list[Any]:
+        return [make_offload_key(hashlib.sha256(str(base + i).encode()).digest(), 0) for i in range(keys)]
+
+    out: dict[str, dict[str, float]] = {}
+    for name in MANAGERS:
+        times: dict[str, list[float]] = {step: [] for step in STEPS}
+        for r in range(repeat):
+            m = make(name)
+            ctx = ReqContext(req_id=f"fill{r}")
+            m.on_new_request(ctx)
+            stored = batch(2 * r * keys)
+            plan = m.prepare_store(stored, ctx)
+            m.complete_store(plan.keys_to_store, ctx)
+            m.on_request_finished(ctx)
+
+            ctx = ReqContext(req_id=f"r{r}")
+            m.on_new_request(ctx)
+            t0 = time.perf_counter()
+            for k in stored:
+                m.lookup(k, ctx)
+            t1 = time.perf_counter()
+            plan = m.prepare_store(batch((2 * r + 1) * keys), ctx)
+            t2 = time.perf_counter()
+            if plan is None or len(plan.evicted_keys) != keys:
+                raise RuntimeError(f"{name}: the store of {keys} new keys did not evict the {keys} stored ones")
+            m.complete_store(plan.keys_to_store, ctx)
+            t3 = time.perf_counter()
+            m.on_request_finished(ctx)
+            t4 = time.perf_counter()
+            for step, dt in zip(STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                times[step].append(dt * 1e3)
+        out[name] = {step: statistics.median(v) for step, v in times.items()}
+    return out
+
+
+def _best(fn: Any, reps: int = 5) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _memcpy(nbytes: int) -> tuple[float, float]:
+    """Seconds of a plain device -> pinned host copy of ``nbytes``, and back."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return _best(lambda: host.copy_(dev, non_blocking=True)), _best(lambda: dev.copy_(host, non_blocking=True))
+
+
+def _copies_row(name: str, tensors: list[Any]) -> dict[str, Any]:
+    """One layout's row of ``copies()``."""
+    import torch
+
+    from kvtier.vllm_copy import ChunkCopier, byte_rows
+
+    blocks = int(tensors[0].shape[0])
+    copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks)
+    ids = list(range(blocks))
+    total = blocks * sum(byte_rows(t, "t").shape[1] for t in tensors)
+
+    def move(job: int, to_host: bool) -> None:
+        copier.submit(job, to_host, ids, [blocks], [0], ids)
+        copier.wait([job])
+        copier.finished()
+
+    try:
+        store, load = _best(lambda: move(1, True)), _best(lambda: move(2, False))
+        before = [t.clone() for t in tensors]
+        for t in tensors:
+            t.zero_()
+        move(3, False)
+        exact = all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+        del before
+        d2h, h2d = _memcpy(total)
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def gemm_ms(beside: bool) -> float:
+            torch.cuda.synchronize()
+            if beside:
+                copier.submit(4, True, ids, [blocks], [0], ids)
+                copier.submit(5, False, ids, [blocks], [0], ids)
+            e0.record()
+            for _ in range(20):
+                a @ a
+            e1.record()
+            torch.cuda.synchronize()
+            if beside:
+                copier.wait([4, 5])
+                copier.finished()
+            return float(e0.elapsed_time(e1))
+
+        gemm_ms(False)
+        alone = min(gemm_ms(False) for _ in range(3))
+        with_copies = min(gemm_ms(True) for _ in range(3))
+    finally:
+        copier.close()
+    return {
+        "layout": name,
+        "piece_bytes": int(tensors[0][0].numel() * tensors[0].element_size()),
+        "gib": total / 2**30,
+        "exact": exact,
+        "store_gbs": total / store / 1e9,
+        "memcpy_d2h_gbs": total / d2h / 1e9,
+        "load_gbs": total / load / 1e9,
+        "memcpy_h2d_gbs": total / h2d / 1e9,
+        "gemm_ms": alone,
+        "gemm_with_copies_ms": with_copies,
+    }
+
+
+def copies(blocks: int = 256) -> list[dict[str, Any]]:
+    """The copy half on CUDA: one row a layout (see the module's text)."""
+    import torch
+
+    def blocks_first() -> list[Any]:
+        return [torch.randn(blocks, 2, 64, 32, 128, device="cuda").to(torch.bfloat16) for _ in range(8)]
+
+    def kv_halves() -> list[Any]:
+        layers = [torch.randn(2, blocks, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(8)]
+        return [half for layer in layers for half in layer]
+
+    def mla() -> list[Any]:
+        return [torch.randn(blocks, 16, 576, device="cuda").to(torch.bfloat16) for _ in range(32)]
+
+    rows = []
+    for name, make in (
+        ("blocks first [nb, 2, 64, 32, 128] bf16, 8 layers", blocks_first),
+        ("K and V halves of [2, nb, 16, 8, 128] bf16, 8 layers", kv_halves),
+        ("MLA [nb, 16, 576] bf16, 32 layers", mla),
+    ):
+        rows.append(_copies_row(name, make()))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvtier.cli import parser, positive
+
+    ap = parser("kvtier bench vllm", __doc__)
+    ap.add_argument("--keys", type=positive(), default=2048, help="keys stored, looked up and replaced")
+    ap.add_argument("--repeat", type=positive(), default=7, help="runs a manager; the median is reported")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--copies", action="store_true", help="measure the worker's copies on CUDA instead (no vLLM)")
+    args = ap.parse_args(argv)
+    if args.copies:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("kvtier bench vllm --copies needs a CUDA device")
+            return 2
+        table = copies()
+        if args.json:
+            print(json.dumps(table, indent=2))
+            return 0
+        for r in table:
+            print(
+                f"{r['layout']}: pieces of {r['piece_bytes']} B, {r['gib']:.2f} GiB, exact={r['exact']}; "
+                f"store {r['store_gbs']:.1f} GB/s ({r['store_gbs'] / r['memcpy_d2h_gbs']:.0%} of memcpy "
+                f"{r['memcpy_d2h_gbs']:.1f}), load {r['load_gbs']:.1f} GB/s ({r['load_gbs'] / r['memcpy_h2d_gbs']:.0%} "
+                f"of memcpy {r['memcpy_h2d_gbs']:.1f}); GEMM x20 {r['gemm_ms']:.1f} ms alone, "
+                f"{r['gemm_with_copies_ms']:.1f} ms with a store and a load beside it"
+            )
+        return 0
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("kvtier bench vllm needs vLLM 0.33 (pip install 'kvtier[vllm]')")
+        return 2
+    result = run(args.keys, args.repeat)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    base = result["vllm-lru"]
+    print(f"{args.keys} keys, median of {args.repeat} runs (ms; in brackets: vLLM lru's time / this one's)")
+    print(f"{'manager':<16}" + "".join(f"{step:>26}" for step in STEPS))
+    for name, row in result.items():
+        cells = "".join(f"{row[s]:>16.3f} ({base[s] / row[s]:>6.1f}x)" for s in STEPS)
+        print(f"{name:<16}{cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

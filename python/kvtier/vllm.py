@@ -1,0 +1,529 @@
+"""vLLM's offloading connector on kvtier: ``kvtier.vllm.KvtierSpec``.
+
+One line selects it (vLLM 0.33 or 0.34)::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm",
+                                    "cpu_bytes_to_use": 64000000000}}'
+
+(``--kv-offloading-size`` fills ``cpu_bytes_to_use``; kvtier's ``host_bytes`` setting may be given instead.)
+
+vLLM builds the spec in the scheduler process and in every worker process; they share nothing but what the
+connector passes between them, the chunk ids in the load/store specs. So:
+
+- ``get_manager()`` (scheduler) is kvtier's index keyed by vLLM's own ``OffloadKey`` bytes (block hash + group):
+  it decides which host slot (vLLM's "chunk") each key goes to, what to evict (kvtier's policy: ``lru`` or
+  ``adaptive``) and reports vLLM's KV events with medium CPU. It never touches KV bytes.
+- ``get_worker(kv_caches)`` (every worker) copies between vLLM's KV caches and a pinned host pool of its own rank:
+  slot ``c`` of that pool holds this rank's bytes of chunk ``c``, the slot the manager decided. Both sides size the
+  pool from the same config (host bytes / (bytes of a chunk on every rank)), so their slot ranges agree. Copies run
+  through kvtier's page copier (copy engine or kernel by piece size) on kvtier's own streams, ordered after vLLM's
+  current stream by events; completions come back through ``get_finished``. On CPU tensors copies are memcpy and
+  complete at once.
+
+The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings: ``host_bytes``,
+``eviction_policy``, ``event_buffer``, ``hash_key``, ``copy_method``, ``copy_crossover_bytes``,
+``copy_streams``. Any bad value raises ``ValueError`` naming it when vLLM builds the spec.
+
+Supported vLLM: ``SUPPORTED_VLLM`` (0.33 and 0.34; 0.34 hands the worker device pointers instead of block ids,
+which the worker maps back to blocks of its KV tensors). Importing this module under any other vLLM raises
+ImportError naming the range; ``import kvtier`` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_VLLM = ">=0.33,<0.35"
+_SUPPORTED_MINORS = ((0, 33), (0, 34))
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ImportError unless ``version`` is a vLLM release this module supports (``SUPPORTED_VLLM``)."""
+    m = re.match(r"^\s*(\d+)\.(\d+)", str(version))
+    if m is None or (int(m.group(1)), int(m.group(2))) not in _SUPPORTED_MINORS:
+        raise ImportError(
+            f"kvtier.vllm supports vLLM {SUPPORTED_VLLM} (install kvtier[vllm]); this environment has vLLM "
+            f"{version!r}, whose offloading interface differs"
+        )
+
+
+import vllm  # noqa: E402
+
+check_vllm_version(getattr(vllm, "__version__", "unknown"))
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCaches,
+    ConfigInfoMapping,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import (  # noqa: E402
+    CPULoadStoreSpec,
+    CPUOffloadingInfo,
+    CPUOffloadingMetrics,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from kvtier._core import Index, IndexConfig  # noqa: E402
+from kvtier.settings import CacheSettings  # noqa: E402
+from kvtier.vllm_copy import ChunkCopier  # noqa: E402
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "KvtierManager",
+    "KvtierSpec",
+    "KvtierWorker",
+    "check_vllm_version",
+    "resolve_settings",
+]
+
+# The kvtier settings the extra config may carry (the others are the engine's or vLLM's own keys).
+SETTING_KEYS = (
+    "host_bytes",
+    "eviction_policy",
+    "event_buffer",
+    "hash_key",
+    "copy_method",
+    "copy_crossover_bytes",
+    "copy_streams",
+)
+# Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
+_HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+# KV events kept between two drains when vLLM publishes events and event_buffer is not set.
+DEFAULT_EVENT_BUFFER = 1 << 16
+
+
+def resolve_settings(extra_config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> CacheSettings:
+    """kvtier's settings from vLLM's kv_connector_extra_config (then ``KVTIER_*``, then defaults). vLLM's
+    ``cpu_bytes_to_use`` (what ``--kv-offloading-size`` sets) is the host size unless ``host_bytes`` is given."""
+    if not isinstance(extra_config, Mapping):
+        raise TypeError(f"kv_connector_extra_config must be a mapping, got {type(extra_config).__name__}")
+    arguments = {k: extra_config[k] for k in SETTING_KEYS if extra_config.get(k) is not None}
+    cpu_bytes = extra_config.get("cpu_bytes_to_use")
+    if "host_bytes" not in arguments and cpu_bytes is not None:
+        if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
+            raise ValueError(f"cpu_bytes_to_use must be a number of bytes, got {cpu_bytes!r}")
+        arguments["host_bytes"] = int(cpu_bytes) if isinstance(cpu_bytes, float) else cpu_bytes
+    return CacheSettings.resolve(env, **arguments)
+
+
+def _key_name(key: bytes) -> str:
+    return bytes(key).hex()
+
+
+@dataclass
+class _Ticket:
+    """One index ticket and how many of its keys vLLM has yet to report done."""
+
+    ticket: int
+    remaining: int
+    failed: bool = False
+    # A store's keys, which become ready (or are dropped) when it settles; None for a load.
+    keys: list[bytes] | None = None
+
+
+class KvtierManager(OffloadingManager):
+    """vLLM's scheduler-side offloading manager on kvtier's index: host slots keyed by vLLM's ``OffloadKey`` bytes.
+
+    ``prepare_load``/``prepare_store`` take an index ticket each; vLLM reports completion by keys
+    (``complete_load``/``complete_store``), and a ticket completes once every one of its keys is reported (a store
+    that failed for any key is aborted: its reserved slots are freed, nothing of it becomes loadable).
+
+    vLLM asks about one key a call; those answers come from a mirror of which keys the pool holds ready or
+    pending, kept by the calls that change it (a store planned, completed or aborted, a key evicted, a reset), so a
+    lookup costs a set membership test. Lookups are still counted in the index's statistics (``stats()``).
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        eviction_policy: str = "lru",
+        enable_events: bool = False,
+        event_buffer: int = 0,
+        hash_key: str | bytes | None = None,
+        tokens_per_slot: int = 16,
+        info: CPUOffloadingInfo | None = None,
+    ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if isinstance(tokens_per_slot, bool) or not isinstance(tokens_per_slot, int) or tokens_per_slot < 1:
+            raise ValueError(f"tokens_per_slot must be a positive int, got {tokens_per_slot!r}")
+        self.num_slots = num_slots
+        self.enable_events = bool(enable_events)
+        if self.enable_events and event_buffer == 0:
+            event_buffer = DEFAULT_EVENT_BUFFER
+        self._config = IndexConfig(
+            num_slots,
+            block_size=tokens_per_slot,
+            eviction_policy=eviction_policy,
+            event_buffer=event_buffer if self.enable_events else 0,
+            hash_key=hash_key,
+        )
+        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._tokens_per_slot = tokens_per_slot
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.index = Index(self._config)
+        self._tickets: dict[int, _Ticket] = {}
+        self._store_ticket: dict[bytes, _Ticket] = {}
+        self._load_tickets: dict[bytes, deque[_Ticket]] = {}
+        self._pending_store_keys = 0
+        self._ready: set[bytes] = set()
+        self._pending: set[bytes] = set()
+        # Lookups counted by an itertools.count (cheaper than an int attribute); stats() reads it by advancing it.
+        self._lookups = itertools.count()
+        self._lookup_reads = 0
+
+    # --- lookups and loads ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        next(self._lookups)
+        if key in self._ready:
+            return _HIT
+        return _HIT_PENDING if key in self._pending else _MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        if not keys:
+            return CPULoadStoreSpec([])
+        ticket, slots = self.index.load_keys(keys)
+        t = _Ticket(ticket, len(keys))
+        self._tickets[ticket] = t
+        for key in keys:
+            self._load_tickets.setdefault(key, deque()).append(t)
+        return CPULoadStoreSpec(list(slots))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            queue = self._load_tickets.get(key)
+            if not queue:
+                raise ValueError(f"complete_load: key {_key_name(key)} has no load in flight")
+            t = queue.popleft()
+            if not queue:
+                del self._load_tickets[key]
+            self._settle(t)
+
+    # --- stores ---
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        if not keys:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
+        plan = self.index.store_keys(keys)
+        if plan is None:
+            return None
+        ticket, indices, slots, evicted = plan
+        evicted_keys = [OffloadKey(e) for e in evicted]
+        self._ready.difference_update(evicted_keys)
+        if not indices:
+            # Everything is on the host already: the ready pages the call held count as a use, and go back now
+            # (vLLM reports no completion for a store with nothing to copy).
+            self.index.complete(ticket)
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=evicted_keys)
+        keys_to_store = [keys[i] for i in indices]
+        t = _Ticket(ticket, len(keys_to_store), keys=keys_to_store)
+        self._tickets[ticket] = t
+        self._store_ticket.update(dict.fromkeys(keys_to_store, t))
+        self._pending.update(keys_to_store)
+        self._pending_store_keys += len(keys_to_store)
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(list(slots)), evicted_keys=evicted_keys
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        for key in keys:
+            t = self._store_ticket.pop(key, None)
+            if t is None:
+                continue  # not being stored (already settled, or stored by an earlier call)
+            self._pending_store_keys -= 1
+            if not success:
+                t.failed = True
+            self._settle(t)
+
+    def _settle(self, t: _Ticket) -> None:
+        t.remaining -= 1
+        if t.remaining > 0:
+            return
+        del self._tickets[t.ticket]
+        if t.failed:
+            self.index.abort(t.ticket)
+        else:
+            self.index.complete(t.ticket)
+        if t.keys is not None:
+            self._pending.difference_update(t.keys)
+            if not t.failed:
+                self._ready.update(t.keys)
+
+    # --- requests, events, statistics ---
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # kvtier keeps nothing a request for engine keys: its loads and stores settle by their completions.
+        return
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self.enable_events:
+            return
+        for event in self.index.take_events():
+            yield OffloadingEvent(
+                keys=[OffloadKey(bytes(k)) for k in event.keys],
+                medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
+                removed=event.removed,
+            )
+
+    def reset_cache(self) -> None:
+        # vLLM never completes a job issued before the reset, so every ticket and slot goes with the old index.
+        self._reset_state()
+
+    def stats(self) -> dict[str, int | float]:
+        """kvtier's own statistics of the index (lookups, hits, pages stored, evicted, ...)."""
+        s = self.index.stats()
+        lookups = next(self._lookups) - self._lookup_reads
+        self._lookup_reads += 1
+        s["lookups"] = int(s["lookups"]) + lookups
+        s["lookup_tokens"] = int(s["lookup_tokens"]) + lookups * self._tokens_per_slot
+        looked = int(s["lookup_tokens"])
+        s["token_hit_rate"] = int(s["hit_tokens"]) / looked if looked else 0.0
+        return s
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        s = self.index.stats()
+        used, evictable = int(s["pages_used"]), int(s["pages_evictable"])
+        usage = (used - evictable) / self.num_slots
+        write_usage = self._pending_store_keys / self.num_slots
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+
+# --- worker side ---------------------------------------------------------------------------------------------
+
+
+class KvtierWorker(OffloadingWorker):
+    """vLLM's offloading worker on kvtier's page copier: vLLM's KV caches (CUDA, or CPU tensors) <-> this rank's
+    pinned host pool, chunk ``c`` of the manager in slots ``c * blocks_per_chunk ..`` (``kvtier.vllm_copy``)."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_chunks: int,
+        blocks_per_chunk: int = 1,
+        copy_method: str = "auto",
+        copy_crossover_bytes: int | None = None,
+        copy_streams: bool = True,
+    ) -> None:
+        if not isinstance(kv_caches, CanonicalKVCaches):
+            raise TypeError(f"kv_caches must be vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}")
+        self._tensors = [t.tensor for t in kv_caches.tensors]
+        self._group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
+        self.copier = ChunkCopier(
+            self._tensors,
+            self._group_tensors,
+            num_chunks=num_chunks,
+            blocks_per_chunk=blocks_per_chunk,
+            copy_method=copy_method,
+            copy_crossover_bytes=copy_crossover_bytes,
+            copy_streams=copy_streams,
+        )
+
+    def device_blocks(self, device_ptrs: Any) -> np.ndarray:
+        """The block ids of vLLM 0.34's ``DevicePointers`` (a pointer for each group, data ref and block): each
+        pointer must be the start of a block of the tensor its data ref names, the same block for every data ref
+        of a group."""
+        ptrs = np.asarray(device_ptrs.ptrs, dtype=np.uint64)
+        counts, refs = list(device_ptrs.group_block_counts), list(device_ptrs.group_data_ref_counts)
+        if len(counts) != len(self._group_tensors) or len(refs) != len(self._group_tensors):
+            raise ValueError(
+                f"the device pointers have {len(counts)} KV groups, the KV caches {len(self._group_tensors)}"
+            )
+        out, at = [], 0
+        for g, (n, n_refs) in enumerate(zip(counts, refs, strict=True)):
+            if n == 0:
+                continue
+            tensor_ids = self._group_tensors[g]
+            if n_refs != len(tensor_ids):
+                raise ValueError(f"group {g} has {n_refs} data refs in the device pointers, {len(tensor_ids)} here")
+            blocks = None
+            for j, t_idx in enumerate(tensor_ids):
+                t = self._tensors[t_idx]
+                stride = t.stride(0) * t.element_size()
+                rel = ptrs[at + j * n : at + (j + 1) * n].astype(np.int64) - np.int64(t.data_ptr())
+                ids = rel // stride
+                if len(rel) != n or (rel % stride).any() or ids.min() < 0 or ids.max() >= t.shape[0]:
+                    raise ValueError(f"group {g}: device pointers of data ref {j} are not blocks of its tensor")
+                if blocks is None:
+                    blocks = ids
+                elif not np.array_equal(ids, blocks):
+                    raise ValueError(f"group {g}: data ref {j} points at other blocks than data ref 0")
+            assert blocks is not None
+            out.append(blocks)
+            at += n * n_refs
+        if at != len(ptrs):
+            raise ValueError(f"{len(ptrs)} device pointers, the groups account for {at}")
+        return np.concatenate(out).astype(np.int32) if out else np.empty(0, dtype=np.int32)
+
+    def _submit(self, job_id: int, to_host: bool, gpu_spec: Any, chunk_spec: Any, lane: str) -> bool:
+        chunk_ids = getattr(chunk_spec, "block_ids", None)
+        if not isinstance(chunk_ids, np.ndarray):
+            raise TypeError(f"the host side must be a spec of chunk ids, got {type(chunk_spec).__name__}")
+        if isinstance(gpu_spec, GPULoadStoreSpec):
+            ids, sizes, firsts = gpu_spec.block_ids, gpu_spec.group_sizes, gpu_spec.block_indices
+        elif hasattr(gpu_spec, "ptrs") and hasattr(gpu_spec, "group_block_counts"):  # vLLM 0.34's DevicePointers
+            ids, sizes, firsts = self.device_blocks(gpu_spec), gpu_spec.group_block_counts, gpu_spec.block_indices
+        else:
+            raise TypeError(
+                f"the GPU side must be a GPULoadStoreSpec or vLLM's DevicePointers, got {type(gpu_spec).__name__}"
+            )
+        self.copier.submit(job_id, to_host, ids, sizes, firsts, chunk_ids, lane)
+        return True
+
+    # vLLM 0.33 passes the GPU side as a GPULoadStoreSpec, 0.34 as DevicePointers (positionally, so the names of
+    # 0.33's parameters serve both).
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, True, src_spec, dst_spec, "store")
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False) -> bool:
+        return self._submit(job_id, False, dst_spec, src_spec, "expedited" if expedited else "load")
+
+    def get_finished(self) -> list[TransferResult]:
+        return [
+            TransferResult(job_id=job_id, success=ok, transfer_size=nbytes)
+            for job_id, ok, nbytes in self.copier.finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.copier.wait(job_ids)
+
+    def host_view(self, copier: int = 0) -> np.ndarray:
+        """One copier's host pool as ``[slots, page bytes]`` uint8 (no copy): slot ``c * blocks_per_chunk + j``
+        holds block ``j`` of chunk ``c``."""
+        return self.copier.host_view(copier)
+
+    def shutdown(self) -> None:
+        self.copier.close()
+
+
+# --- the spec ------------------------------------------------------------------------------------------------
+
+
+class KvtierSpec(OffloadingSpec):
+    """vLLM's offloading spec on kvtier: ``{"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm"}``."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Fraction of kvtier's host slots held by transfers in flight (0.0 idle, 1.0 full)."
+            ),
+            CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Fraction of kvtier's host slots held by stores in flight."
+            ),
+            CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Fraction of kvtier's host slots held by loads in flight."
+            ),
+        }
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return CPUOffloadingInfo.config_info_keys()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if config.canonical_layout:
+            raise ValueError(
+                "kvtier.vllm.KvtierSpec stores each rank's own bytes; the canonical layout "
+                "(canonical_layout=true in the extra config) is not supported"
+            )
+        self.settings = resolve_settings(self.extra_config)
+        world_size = config.parallel.world_size
+        per_block = config.worker_kv_bytes_per_block
+        if per_block <= 0 or world_size <= 0:
+            raise ValueError(
+                f"vLLM gave worker_kv_bytes_per_block={per_block} and world_size={world_size}: "
+                "kvtier sizes its host pool from both"
+            )
+        # A chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
+        self.kv_bytes_per_chunk = per_block * world_size * self.blocks_per_chunk
+        self.num_chunks = int(self.settings.host_bytes) // self.kv_bytes_per_chunk
+        if self.num_chunks < 1:
+            raise ValueError(
+                f"host_bytes={self.settings.host_bytes} holds no chunk of {self.kv_bytes_per_chunk} bytes "
+                f"({per_block} bytes a block x {world_size} ranks x {self.blocks_per_chunk} blocks a chunk)"
+            )
+        self.info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        self._manager: KvtierManager | None = None
+        self._worker: KvtierWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            s = self.settings
+            self._manager = KvtierManager(
+                self.num_chunks,
+                eviction_policy=s.eviction_policy,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                event_buffer=s.event_buffer,
+                hash_key=s.hash_key,
+                tokens_per_slot=max(self.tokens_per_block) * self.blocks_per_chunk if self.tokens_per_block else 16,
+                info=self.info,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            s = self.settings
+            self._worker = KvtierWorker(
+                kv_caches,
+                num_chunks=self.num_chunks,
+                blocks_per_chunk=self.blocks_per_chunk,
+                copy_method=s.copy_method,
+                copy_crossover_bytes=s.copy_crossover_bytes,
+                copy_streams=s.copy_streams,
+            )
+        return self._worker
+
+
+def __getattr__(name: str) -> Any:
+    # The Mooncake tier (kvtier.vllm_tier) is imported when vLLM's tier factory asks for it, not with the spec.
+    if name == "KvtierMooncakeTier":
+        from kvtier.vllm_tier import KvtierMooncakeTier
+
+        return KvtierMooncakeTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,377 @@
+"""kvtier's verified Mooncake L3 as a secondary tier of vLLM's ``TieringOffloadingSpec``: ``KvtierMooncakeTier``.
+
+Selected (vLLM 0.33) by the tiering spec's extra config::
+
+    {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ..., "secondary_tiers": [
+        {"type": "KvtierMooncakeTier", "module_path": "kvtier.vllm",
+         "l3_master": "10.0.0.5:50051", "model_version": "<checkpoint revision>", "hash_key": "<secret>"}]}
+
+The tier runs in vLLM's scheduler process under vLLM's CPU tier and moves whole CPU chunks (rows of the CPU tier's
+shared region: every rank's bytes of the chunk) to and from Mooncake Store. Each chunk is one kvtier object: a
+header (format, fingerprint digest, the chunk's key, payload length, digests) before the row's bytes. The
+fingerprint covers the model (vLLM's model name and dtype, and ``model_version``), the parallel layout (TP, PP,
+context-parallel sizes), the chunk's bytes and tokens; the key is vLLM's ``OffloadKey`` mapped to 128 bits under
+``hash_key``. An object that fails its check is removed from the Store and never copied into vLLM's CPU tier: its
+chunk's load fails.
+
+Non-blocking as the framework requires: ``submit_store`` / ``submit_load`` queue the job for one background
+thread, which stages objects through two registered buffers of its own (nothing of vLLM's memory is registered
+with Mooncake); ``get_finished_jobs`` returns what finished. ``lookup`` answers from what this tier stored or
+verified in this process (HIT) and MISS otherwise: objects other instances stored are not probed.
+What it stores and drops comes out of ``take_events`` with medium STORAGE.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
+from kvtier.identity import Shard, layout_fields
+from kvtier.l3.errors import L3Error, L3Timeout
+from kvtier.l3.store import OBJECT_NOT_FOUND, MooncakeStore, Store, StoreConfig
+from kvtier.settings import CacheSettings
+
+log = logging.getLogger("kvtier.vllm")
+
+# kvtier settings a tier's config may carry; vLLM's own keys of a tier config are left to vLLM.
+TIER_SETTINGS = (
+    "l3_master",
+    "l3_metadata_server",
+    "l3_protocol",
+    "l3_local_hostname",
+    "l3_segment_bytes",
+    "l3_buffer_bytes",
+    "l3_staging_bytes",
+    "l3_trusted_store",
+    "model_version",
+    "hash_key",
+)
+VLLM_TIER_KEYS = frozenset({"locality"})
+# Objects one Store call moves at most (header slots of a staging buffer).
+HEADER_SLOTS = 256
+
+
+class _Buffer:
+    """Zeroed host memory handed to the Store by address."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.addr = int(self.array.ctypes.data)
+        self.nbytes = nbytes
+
+
+def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
+    """kvtier's settings of one tier config (``KVTIER_*`` for what it leaves out); refuses keys that are neither
+    vLLM's nor these settings, a missing ``l3_master`` or ``model_version``, and (kvtier's settings do) the public
+    default ``hash_key`` on a Store not declared trusted."""
+    values = {k: v for k, v in config.items() if k not in VLLM_TIER_KEYS}
+    unknown = sorted(set(values) - set(TIER_SETTINGS))
+    if unknown:
+        raise ValueError(
+            f"KvtierMooncakeTier: config keys {unknown} are not settings of this tier (it reads "
+            f"{', '.join(TIER_SETTINGS)})"
+        )
+    s = CacheSettings.resolve(l3="mooncake", **values)
+    if s.l3_master is None:
+        raise ValueError("KvtierMooncakeTier needs l3_master ('host:port' of the Mooncake master)")
+    if s.model_version is None:
+        raise ValueError(
+            "KvtierMooncakeTier needs model_version (the model's revision the deployment vouches for): vLLM's "
+            "model name says where the weights came from, not what they are"
+        )
+    StoreConfig(s.l3_master)  # raises for an address that is not host:port
+    return s
+
+
+def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, str]:
+    """The fingerprint fields of a vLLM CPU chunk: model, parallel layout, and the chunk's bytes and tokens."""
+    config = spec.config
+    p = config.parallel
+    shard = Shard(tp_rank=0, tp_size=p.tp_size, pp_rank=0, pp_size=p.pp_size, cp_rank=0, cp_size=p.pcp_size)
+    tokens = [g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups]
+    return layout_fields(
+        page_bytes=row_bytes,
+        state_bytes=0,
+        block_size=max(tokens) if tokens else 0,
+        layout="vllm.cpu_chunk_row",
+        hash_kind="vllm.offload_key",
+        key_id="vllm",
+        shard=shard,
+        model_fields={
+            "name": "vllm",
+            "model": config.model.name,
+            "dtype": config.model.dtype,
+            "dcp_size": p.dcp_size,
+            "world_size": p.world_size,
+            "replicated_layout": bool(getattr(spec, "replicated_layout", False)),
+            "canonical_layout": bool(config.canonical_layout),
+            "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+            "groups": ",".join(f"{g.group_id}:{g.tokens_per_block}:{len(g.layer_names)}" for g in config.groups),
+        },
+        model_version=model_version,
+    )
+
+
+class KvtierMooncakeTier(SecondaryTierManager):
+    """A secondary tier of vLLM's tiering spec on kvtier's verified Mooncake objects (see the module's text)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        store_factory: Any = None,
+        **config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        self.settings = s = tier_settings(config)
+        rows = np.asarray(primary_kv_view)
+        if rows.ndim != 2 or rows.dtype.itemsize != 1:
+            raise ValueError(f"primary_kv_view must be [chunks, bytes] of bytes, got shape {rows.shape} {rows.dtype}")
+        self._rows = rows
+        self._base = int(rows.ctypes.data)
+        self._stride = int(rows.strides[0])
+        self._row_bytes = int(rows.shape[1])
+        self._num_chunks = int(rows.shape[0])
+        self._object_bytes = L3_HEADER_BYTES + self._row_bytes
+        if self._object_bytes > s.l3_staging_bytes:
+            raise ValueError(
+                f"l3_staging_bytes must hold one chunk object ({self._object_bytes} bytes), got {s.l3_staging_bytes}"
+            )
+        self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
+        self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
+        self._headers = {d: _Buffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
+        self._staging = {d: _Buffer(s.l3_staging_bytes) for d in ("put", "get")}
+        store_config = StoreConfig(
+            s.l3_master,
+            metadata_server=s.l3_metadata_server,
+            protocol=s.l3_protocol,
+            local_hostname=s.l3_local_hostname,
+            global_segment_bytes=s.l3_segment_bytes,
+            local_buffer_bytes=s.l3_buffer_bytes,
+        )
+        self.store: Store = (store_factory or MooncakeStore)(store_config)
+        try:
+            for b in self._staging.values():
+                self.store.register(b.addr, b.nbytes)
+        except BaseException:
+            self.store.close()
+            raise
+        self._present: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._finished: deque[JobResult] = deque()
+        self._events: deque[OffloadingEvent] = deque()
+        # vLLM drains events only when it publishes them.
+        events = getattr(offloading_spec, "kv_events_config", None)
+        self._record_events = bool(getattr(events, "enable_kv_cache_events", False))
+        self._jobs: queue.Queue[tuple[bool, TransferJob] | None] = queue.Queue()
+        self.counters = dict.fromkeys(("put", "present", "loaded", "missing", "rejected", "failed"), 0)
+        self._thread = threading.Thread(target=self._serve, name="kvtier-vllm-tier", daemon=True)
+        self._thread.start()
+        log.info("KvtierMooncakeTier: fingerprint %s, %d bytes a chunk", self.fingerprint, self._row_bytes)
+
+    # --- the framework's calls (scheduler thread, never blocking) ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        with self._lock:
+            return LookupResult.HIT if key in self._present else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._check_job(job_metadata)
+        self._jobs.put((True, job_metadata))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._check_job(job_metadata)
+        self._jobs.put((False, job_metadata))
+
+    def _check_job(self, job: TransferJob) -> None:
+        chunks = np.asarray(job.chunk_ids)
+        if len(job.keys) != len(chunks):
+            raise ValueError(f"job {job.job_id}: {len(job.keys)} keys but {len(chunks)} chunk ids")
+        if len(chunks) and (chunks.min() < 0 or chunks.max() >= self._num_chunks):
+            raise ValueError(f"job {job.job_id}: chunk ids {chunks.tolist()} outside 0..{self._num_chunks - 1}")
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def has_pending_work(self) -> bool:
+        return self._jobs.unfinished_tasks > 0 or bool(self._finished)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        self._jobs.join()
+
+    def config_info(self) -> ConfigInfoMapping:
+        return {}
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+        self.store.close()
+        # vLLM unmaps its region at shutdown only when no view of it is left.
+        self._rows = np.empty((0, 0), dtype=np.uint8)
+
+    # --- the background thread ---
+
+    def _serve(self) -> None:
+        while True:
+            item = self._jobs.get()
+            try:
+                if item is None:
+                    return
+                is_store, job = item
+                t0 = time.perf_counter()
+                try:
+                    result = self._store(job) if is_store else self._load(job)
+                except Exception:  # a tier failure is a failed job, never an exception in vLLM's scheduler
+                    log.exception("KvtierMooncakeTier: job %d failed", job.job_id)
+                    self.counters["failed"] += 1
+                    result = JobResult(job_id=job.job_id, success=False)
+                result.transfer_time = time.perf_counter() - t0
+                self._finished.append(result)
+            finally:
+                self._jobs.task_done()
+
+    def _batches(self, n: int) -> Iterable[tuple[int, int]]:
+        per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self._object_bytes))
+        return ((i, min(i + per, n)) for i in range(0, n, per))
+
+    def _wire(self, headers: _Buffer, chunks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        ptrs = [[headers.addr + j * L3_HEADER_BYTES, self._base + c * self._stride] for j, c in enumerate(chunks)]
+        sizes = [[L3_HEADER_BYTES, self._row_bytes] for _ in chunks]
+        return ptrs, sizes
+
+    def _staged(self, staging: _Buffer, count: int) -> tuple[list[list[int]], list[list[int]]]:
+        return (
+            [[staging.addr + j * self._object_bytes] for j in range(count)],
+            [[self._object_bytes] for _ in range(count)],
+        )
+
+    def _store(self, job: TransferJob) -> JobResult:
+        keys = [bytes(k) for k in job.keys]
+        chunks = [int(c) for c in np.asarray(job.chunk_ids)]
+        fkeys = self._format.keys([k.hex() for k in keys])
+        skeys = self._format.store_keys(fkeys)
+        present = self.store.exists_many(skeys)
+        ok = [code == 1 for code in present]
+        self.counters["present"] += sum(ok)
+        todo = [i for i, code in enumerate(present) if code != 1]
+        headers, staging = self._headers["put"], self._staging["put"]
+        moved = 0
+        for start, end in self._batches(len(todo)):
+            run = todo[start:end]
+            ptrs, sizes = self._wire(headers, [chunks[i] for i in run])
+            self._format.seal(headers.addr, [fkeys[i] for i in run], [p[1:] for p in ptrs], [s[1:] for s in sizes])
+            stage_objects(staging.addr, staging.nbytes, ptrs, sizes)
+            call_ptrs, call_sizes = self._staged(staging, len(run))
+            try:
+                codes = self.store.put_many([skeys[i] for i in run], call_ptrs, call_sizes)
+            except L3Error as e:
+                if isinstance(e, L3Timeout):
+                    e.pending.exception()  # its buffers are in use until the call returns
+                log.warning("KvtierMooncakeTier: put of %d chunks failed: %s", len(run), e)
+                continue
+            for i, code in zip(run, codes, strict=True):
+                ok[i] = code == 0
+                moved += self._object_bytes if code == 0 else 0
+                self.counters["put"] += int(code == 0)
+        stored = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
+        with self._lock:
+            self._present.update(stored)
+        if stored and self._record_events:
+            self._events.append(OffloadingEvent(keys=stored, medium=Medium.STORAGE, removed=False))
+        return JobResult(job_id=job.job_id, success=all(ok), successful_keys=None, transfer_bytes=moved)
+
+    def _load(self, job: TransferJob) -> JobResult:
+        keys = [bytes(k) for k in job.keys]
+        chunks = [int(c) for c in np.asarray(job.chunk_ids)]
+        fkeys = self._format.keys([k.hex() for k in keys])
+        skeys = self._format.store_keys(fkeys)
+        ok = [False] * len(keys)
+        headers, staging = self._headers["get"], self._staging["get"]
+        gone: list[OffloadKey] = []
+        moved = 0
+        for start, end in self._batches(len(keys)):
+            ptrs, sizes = self._wire(headers, chunks[start:end])
+            call_ptrs, call_sizes = self._staged(staging, end - start)
+            try:
+                got = self.store.get_many(skeys[start:end], call_ptrs, call_sizes)
+            except L3Error as e:
+                if isinstance(e, L3Timeout):
+                    e.pending.exception()
+                log.warning("KvtierMooncakeTier: get of %d chunks failed: %s", end - start, e)
+                continue
+            # Unstaged into the header slots and vLLM's rows, then checked there: a row that fails its check is
+            # reported failed, so vLLM's CPU tier never marks it loadable.
+            unstage_objects(staging.addr, staging.nbytes, ptrs, sizes, got)
+            verdicts = self._format.check(
+                headers.addr, fkeys[start:end], [p[1:] for p in ptrs], [s[1:] for s in sizes], got
+            )
+            for j, (code, why) in enumerate(zip(got, verdicts, strict=True)):
+                i = start + j
+                if why is None:
+                    ok[i] = True
+                    moved += self._object_bytes
+                    self.counters["loaded"] += 1
+                    continue
+                gone.append(OffloadKey(keys[i]))
+                if code == OBJECT_NOT_FOUND:
+                    self.counters["missing"] += 1
+                    continue
+                self.counters["rejected"] += 1
+                log.warning("KvtierMooncakeTier: object %s rejected: %s", skeys[i], why)
+                try:
+                    self.store.remove(skeys[i], True)
+                except L3Error as e:
+                    log.info("KvtierMooncakeTier: removing rejected object %s failed: %s", skeys[i], e)
+        if gone:
+            with self._lock:
+                self._present.difference_update(gone)
+            if self._record_events:
+                self._events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True))
+        good = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
+        return JobResult(
+            job_id=job.job_id,
+            success=all(ok),
+            successful_keys=None if all(ok) else good,
+            transfer_bytes=moved,
+        )

@@ -1,0 +1,904 @@
+"""kvtier under vLLM's offloading connector (kvtier.vllm): vLLM's own config classes and factory build the spec from
+the one config line; the manager is driven as vLLM's scheduler drives it; the worker round-trips KV bytes on CPU
+tensors, in this process and in a separate worker process; kvtier's Mooncake tier runs under vLLM's tiering spec.
+
+Needs vLLM 0.33 or 0.34 (its own venv: .ci/vllm); skipped where vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+from importlib.util import find_spec
+from typing import Any
+
+import numpy as np
+import pytest
+
+HAVE_VLLM = find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (see .ci/vllm)")
+
+# The one line, as a user passes it to `--kv-transfer-config`.
+ONE_LINE = (
+    '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+    '{"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 1048576}}'
+)
+
+PAGE = 256  # bytes of one block of one KV tensor in these tests
+LAYERS = 3
+GPU_BLOCKS = 32
+
+
+def test_import_kvtier_never_imports_vllm() -> None:
+    code = "import sys, kvtier, kvtier.copy, kvtier.settings; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+if HAVE_VLLM:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from vllm.config import KVTransferConfig
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+            GPULoadStoreSpec,
+            LookupResult,
+            Medium,
+            OffloadKey,
+            ReqContext,
+            make_offload_key,
+        )
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        import kvtier.vllm as kv
+
+    pytestmark = [needs_vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+else:
+    pytestmark = [needs_vllm]
+
+
+def offloading_config(
+    extra: dict[str, Any],
+    *,
+    worker_kv_bytes_per_block: int = PAGE * LAYERS,
+    blocks_per_chunk: int = 1,
+    groups: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    events: bool = False,
+) -> OffloadingConfig:
+    """vLLM's OffloadingConfig as its connector builds it (build_offloading_config) from an extra config."""
+    return OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(16, (f"layer{g}",), g) for g in range(groups)),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=events,
+        extra_config=extra,
+        engine_id="kvtier-test",
+        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def spec_from_line(line: str = ONE_LINE, **kwargs: Any) -> Any:
+    """The spec vLLM's factory builds from a `--kv-transfer-config` line (parsed by vLLM's KVTransferConfig)."""
+    transfer = KVTransferConfig(**json.loads(line))
+    assert transfer.kv_connector == "OffloadingConnector"
+    return OffloadingSpecFactory.create_spec(offloading_config(dict(transfer.kv_connector_extra_config), **kwargs))
+
+
+def key(i: int, group: int = 0) -> OffloadKey:
+    return make_offload_key(i.to_bytes(32, "big"), group)
+
+
+def kv_caches(num_blocks: int = GPU_BLOCKS, layers: int = LAYERS, groups: int = 1, seed: int = 0) -> Any:
+    """CPU KV caches in vLLM's canonical form: one int8 [num_blocks, page] tensor a layer, random bytes; with
+    several groups every group's layers use all the tensors (hybrid models share one allocation)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(
+            tensor=torch.randint(-128, 128, (num_blocks, PAGE), dtype=torch.int8, generator=g), page_size_bytes=PAGE
+        )
+        for _ in range(layers)
+    ]
+    refs = [[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(layers)] for _ in range(groups)]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def block_bytes(caches: Any, block: int) -> list[bytes]:
+    return [t.tensor[block].numpy().tobytes() for t in caches.tensors]
+
+
+def finish(worker: Any, job_ids: set[int]) -> None:
+    worker.wait(job_ids)
+    results = {r.job_id: r for r in worker.get_finished()}
+    assert set(results) == job_ids
+    assert all(r.success for r in results.values())
+
+
+# ---- the factory and the settings -----------------------------------------------------------------------------
+
+
+def test_vllms_factory_builds_kvtiers_spec_manager_and_worker_from_the_one_line() -> None:
+    spec = spec_from_line()
+    assert type(spec) is kv.KvtierSpec
+    # 1 MiB over chunks of 3 layers x 256 bytes.
+    assert spec.num_chunks == (1 << 20) // (PAGE * LAYERS)
+    manager = spec.get_manager()
+    assert isinstance(manager, kv.KvtierManager)
+    assert manager.index.page_slots == spec.num_chunks
+    assert manager.index.eviction_policy == "lru"
+    (info,) = manager.config_info()
+    assert info["cpu_num_chunks"] == spec.num_chunks
+    worker = spec.get_worker(kv_caches())
+    assert isinstance(worker, kv.KvtierWorker)
+    assert worker.host_view().shape == (spec.num_chunks, PAGE * LAYERS)
+    assert spec.get_worker(kv_caches()) is worker  # one worker a spec, as vLLM's CPU spec
+    worker.shutdown()
+
+
+def test_kvtier_settings_come_from_the_extra_config() -> None:
+    line = json.loads(ONE_LINE)
+    line["kv_connector_extra_config"].update(host_bytes="64KiB", eviction_policy="adaptive", copy_method="kernel")
+    spec = spec_from_line(json.dumps(line))
+    assert spec.num_chunks == (64 << 10) // (PAGE * LAYERS)  # host_bytes wins over cpu_bytes_to_use
+    assert spec.get_manager().index.eviction_policy == "adaptive"
+    assert spec.settings.copy_method == "kernel"
+
+
+def test_tensor_parallel_ranks_divide_the_host_bytes() -> None:
+    spec = spec_from_line(world_size=4, rank=2)
+    assert spec.num_chunks == (1 << 20) // (PAGE * LAYERS * 4)
+    spec = spec_from_line(blocks_per_chunk=4)
+    assert spec.num_chunks == (1 << 20) // (PAGE * LAYERS * 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"eviction_policy": "arc"}, "arc"),
+        ({"host_bytes": "lots"}, "lots"),
+        ({"cpu_bytes_to_use": 100}, "host_bytes=100 holds no chunk of 768 bytes"),
+        ({"cpu_bytes_to_use": [1]}, r"cpu_bytes_to_use must be a number of bytes, got \[1\]"),
+        ({"copy_method": "fast"}, "fast"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_value(extra: dict[str, Any], message: str) -> None:
+    line = json.loads(ONE_LINE)
+    line["kv_connector_extra_config"].update(extra)
+    with pytest.raises(ValueError, match=message):
+        spec_from_line(json.dumps(line))
+
+
+def test_other_vllm_versions_are_refused_naming_the_range() -> None:
+    for version in ("0.33.0", "0.33.2rc1", "0.34.0"):
+        kv.check_vllm_version(version)
+    for version in ("0.35.0", "0.32.1", "1.0", "unknown"):
+        with pytest.raises(ImportError, match=r"vLLM >=0\.33,<0\.35.*" + version.replace(".", r"\.")):
+            kv.check_vllm_version(version)
+
+
+# ---- the manager, driven as vLLM's scheduler drives it --------------------------------------------------------
+
+
+def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> None:
+    spec = spec_from_line(
+        """{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm",
+        "cpu_bytes_to_use": 3072}}""",
+        events=True,
+    )
+    manager = spec.get_manager()
+    assert manager.num_slots == 4
+    ctx = ReqContext(req_id="r1")
+    manager.on_new_request(ctx)
+    a, b, c, d, e = (key(i) for i in range(5))
+    assert manager.lookup(a, ctx) is LookupResult.MISS
+
+    out = manager.prepare_store([a, b, c], ctx)
+    assert out is not None and out.keys_to_store == [a, b, c] and out.evicted_keys == []
+    slots = out.store_spec.block_ids.tolist()
+    assert sorted(slots) == sorted(set(slots)) and all(0 <= s < 4 for s in slots)
+    assert manager.lookup(a, ctx) is LookupResult.HIT_PENDING
+    stats = manager.get_stats()
+    assert stats is not None
+    manager.complete_store({a, b, c}, ctx)  # vLLM reports a job's keys as a set
+    assert [manager.lookup(k, ctx) for k in (a, b, c, d)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+
+    # Stored keys are skipped; a ready one offered again is held by the call, never evicted by it.
+    out = manager.prepare_store([a, d], ctx)
+    assert out is not None and out.keys_to_store == [d] and out.evicted_keys == []
+    manager.complete_store([d], ctx)
+
+    load = manager.prepare_load([a, b], ctx)
+    assert load.block_ids.tolist() == slots[:2]
+    # The pool is full; a and b are held by the load: the store evicts the least recently used of c and d.
+    out = manager.prepare_store([e], ctx)
+    assert out is not None and out.keys_to_store == [e] and len(out.evicted_keys) == 1
+    evicted = out.evicted_keys[0]
+    assert evicted in (c, d)
+    assert manager.lookup(evicted, ctx) is LookupResult.MISS
+    manager.complete_store([e], ctx)
+    # Everything left is held or pending: no room, nothing changes.
+    manager.prepare_load([e], ctx)
+    survivor = d if evicted == c else c
+    manager.prepare_load([survivor], ctx)
+    assert manager.prepare_store([key(9)], ctx) is None
+    manager.complete_load([a, b], ctx)
+    manager.complete_load([e], ctx)
+    manager.complete_load([survivor], ctx)
+    manager.on_request_finished(ctx)
+
+    events = list(manager.take_events())
+    assert all(ev.medium is Medium.CPU for ev in events)
+    stored = [k for ev in events if not ev.removed for k in ev.keys]
+    removed = [k for ev in events if ev.removed for k in ev.keys]
+    assert sorted(stored) == sorted([a, b, c, d, e]) and removed == [evicted]
+    assert list(manager.take_events()) == []
+
+    s = manager.stats()
+    assert (s["pages_stored"], s["pages_evicted"]) == (5, 1)
+    manager.reset_cache()
+    assert manager.lookup(a, ctx) is LookupResult.MISS
+    assert manager.index.stats()["pages_used"] == 0
+
+
+def test_a_failed_store_leaves_nothing_loadable_and_frees_its_slots() -> None:
+    manager = spec_from_line().get_manager()
+    ctx = ReqContext(req_id="r")
+    out = manager.prepare_store([key(1), key(2)], ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx, success=False)
+    assert manager.lookup(key(1), ctx) is LookupResult.MISS
+    assert manager.index.stats()["pages_used"] == 0
+
+
+def test_overlapping_loads_hold_their_pages_until_each_completes() -> None:
+    spec = spec_from_line(
+        '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config":'
+        ' {"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 1536}}'
+    )
+    manager = spec.get_manager()  # 2 slots
+    ctx = ReqContext(req_id="r")
+    out = manager.prepare_store([key(1), key(2)], ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)
+    manager.prepare_load([key(1), key(2)], ctx)
+    manager.prepare_load([key(1)], ctx)
+    manager.complete_load([key(1)], ctx)
+    manager.complete_load([key(1), key(2)], ctx)
+    # Both loads done: both pages can go.
+    out = manager.prepare_store([key(3), key(4)], ctx)
+    assert out is not None and sorted(out.evicted_keys) == [key(1), key(2)]
+    with pytest.raises(ValueError, match="has no load in flight"):
+        manager.complete_load([key(1)], ctx)
+
+
+# ---- the worker: KV bytes through kvtier's host pool ----------------------------------------------------------
+
+
+def test_worker_round_trips_kv_bytes_through_the_slots_the_manager_chose() -> None:
+    spec = spec_from_line()
+    manager, caches = spec.get_manager(), kv_caches()
+    worker = spec.get_worker(caches)
+    ctx = ReqContext(req_id="r")
+    keys = [key(i) for i in range(6)]
+    src_blocks = [3, 7, 1, 30, 12, 5]
+    expected = [block_bytes(caches, b) for b in src_blocks]
+
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None
+    assert worker.submit_store(1, GPULoadStoreSpec(src_blocks, group_sizes=[6], block_indices=[0]), out.store_spec)
+    finish(worker, {1})
+    manager.complete_store(out.keys_to_store, ctx)
+    # The host slot the manager chose holds the block's layers back to back.
+    host = worker.host_view()
+    for slot, want in zip(out.store_spec.block_ids.tolist(), expected, strict=True):
+        assert host[slot].tobytes() == b"".join(want)
+
+    for t in caches.tensors:  # the GPU blocks are reused by other requests
+        t.tensor.zero_()
+    dst_blocks = [20, 21, 22, 0, 2, 4]
+    load = manager.prepare_load(keys, ctx)
+    assert worker.submit_load(2, load, GPULoadStoreSpec(dst_blocks, group_sizes=[6], block_indices=[0]))
+    finish(worker, {2})
+    manager.complete_load(keys, ctx)
+    assert [block_bytes(caches, b) for b in dst_blocks] == expected
+    assert all(not t.tensor[8].any() for t in caches.tensors), "a block outside the load was written"
+    worker.shutdown()
+
+
+def test_worker_handles_chunks_of_several_blocks_and_several_kv_groups() -> None:
+    # Chunks of 2 blocks; 2 KV groups over one allocation (a hybrid model); the first group's first block starts
+    # in the middle of a chunk (block index 1), as vLLM's GPU spec says with block_indices.
+    spec = spec_from_line(blocks_per_chunk=2, groups=2)
+    manager, caches = spec.get_manager(), kv_caches(groups=2, seed=3)
+    worker = spec.get_worker(caches)
+    ctx = ReqContext(req_id="r")
+    keys = [key(1, 0), key(2, 0), key(1, 1)]
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and len(out.store_spec.block_ids) == 3
+    g0, g1 = [4, 9, 10], [17, 18]
+    expected = [block_bytes(caches, b) for b in g0 + g1]
+    src = GPULoadStoreSpec(g0 + g1, group_sizes=[3, 2], block_indices=[1, 0])
+    worker.submit_store(5, src, out.store_spec)
+    finish(worker, {5})
+    manager.complete_store(out.keys_to_store, ctx)
+    for t in caches.tensors:
+        t.tensor.zero_()
+    load = manager.prepare_load(keys, ctx)
+    d0, d1 = [0, 1, 2], [3, 6]
+    worker.submit_load(6, load, GPULoadStoreSpec(d0 + d1, group_sizes=[3, 2], block_indices=[1, 0]), expedited=True)
+    finish(worker, {6})
+    assert [block_bytes(caches, b) for b in d0 + d1] == expected
+    worker.shutdown()
+
+
+def test_worker_refuses_specs_that_do_not_match_naming_them() -> None:
+    spec = spec_from_line()
+    worker = spec.get_worker(kv_caches())
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    with pytest.raises(ValueError, match=r"chunk ids \[99999\] of group 0 are outside"):
+        worker.submit_store(1, GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0]), CPULoadStoreSpec([99999]))
+    with pytest.raises(ValueError, match="the specs do not match: 1 GPU blocks and 2 chunks"):
+        worker.submit_store(1, GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0]), CPULoadStoreSpec([0, 1]))
+    with pytest.raises(ValueError, match=r"2 KV groups \(2 block indices\), the KV caches 1"):
+        worker.submit_store(
+            1, GPULoadStoreSpec([1, 2], group_sizes=[1, 1], block_indices=[0, 0]), CPULoadStoreSpec([0])
+        )
+    with pytest.raises(TypeError, match="GPULoadStoreSpec"):
+        worker.submit_store(1, CPULoadStoreSpec([1]), CPULoadStoreSpec([0]))
+    assert worker.get_finished() == []
+    worker.shutdown()
+    odd = kv_caches()
+    odd.tensors[0] = CanonicalKVCacheTensor(tensor=torch.zeros(GPU_BLOCKS, 100, dtype=torch.int8), page_size_bytes=100)
+    with pytest.raises(ValueError, match="has 100 bytes a block"):
+        kv.KvtierWorker(odd, num_chunks=4)
+
+
+def test_worker_maps_vllm_034_device_pointers_back_to_blocks() -> None:
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:
+        pytest.skip("this vLLM (0.33) hands the worker block ids, not device pointers")
+    spec = spec_from_line(groups=2)
+    manager, caches = spec.get_manager(), kv_caches(groups=2, seed=5)
+    worker = spec.get_worker(caches)
+    ctx = ReqContext(req_id="r")
+    keys = [key(1, 0), key(2, 0), key(1, 1)]
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None
+    src = GPULoadStoreSpec([4, 9, 17], group_sizes=[2, 1], block_indices=[0, 0])
+    expected = [block_bytes(caches, b) for b in (4, 9, 17)]
+    # vLLM 0.34's connector resolves the GPU spec to device pointers before calling the worker.
+    worker.submit_store(1, resolve_device_pointers(src, caches), out.store_spec)
+    finish(worker, {1})
+    manager.complete_store(out.keys_to_store, ctx)
+    for t in caches.tensors:
+        t.tensor.zero_()
+    dst = GPULoadStoreSpec([0, 1, 2], group_sizes=[2, 1], block_indices=[0, 0])
+    worker.submit_load(2, manager.prepare_load(keys, ctx), resolve_device_pointers(dst, caches))
+    finish(worker, {2})
+    assert [block_bytes(caches, b) for b in (0, 1, 2)] == expected
+    bad = resolve_device_pointers(dst, caches)
+    bad.ptrs[0] += 1
+    with pytest.raises(ValueError, match="device pointers of data ref 0 are not blocks of its tensor"):
+        worker.submit_store(3, bad, out.store_spec)
+    worker.shutdown()
+
+
+# ---- vLLM's process split: the manager here, the worker in a process of its own ------------------------------
+
+
+def _worker_process(conn: Any, rank: int) -> None:
+    """A vLLM worker process: builds the spec from the same line, gets only the specs' block ids from the
+    scheduler process, stores, then loads into other blocks and reports whether the bytes came back."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = spec_from_line(world_size=2, rank=rank)
+    caches = kv_caches(seed=10 + rank)
+    worker = spec.get_worker(caches)
+    (src, store_spec) = conn.recv()
+    expected = [block_bytes(caches, b) for b in src.block_ids.tolist()]
+    worker.submit_store(1, src, store_spec)
+    finish(worker, {1})
+    conn.send("stored")
+    for t in caches.tensors:
+        t.tensor.zero_()
+    (dst, load_spec) = conn.recv()
+    worker.submit_load(2, load_spec, dst)
+    finish(worker, {2})
+    conn.send([block_bytes(caches, b) for b in dst.block_ids.tolist()] == expected)
+    worker.shutdown()
+
+
+def test_manager_and_workers_in_separate_processes_share_only_block_ids() -> None:
+    spec = spec_from_line(world_size=2, rank=0)
+    manager = spec.get_manager()
+    ctx = ReqContext(req_id="r")
+    mp = multiprocessing.get_context("spawn")
+    pipes, procs = [], []
+    env = dict(os.environ)
+    try:
+        for rank in range(2):
+            mine, theirs = mp.Pipe()
+            p = mp.Process(target=_worker_process, args=(theirs, rank))
+            p.start()
+            pipes.append(mine)
+            procs.append(p)
+        keys = [key(i) for i in range(4)]
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        src = GPULoadStoreSpec([2, 4, 6, 8], group_sizes=[4], block_indices=[0])
+        for conn in pipes:
+            conn.send((src, out.store_spec))
+        for conn in pipes:
+            assert conn.recv() == "stored"
+        manager.complete_store(out.keys_to_store, ctx)
+        load = manager.prepare_load(keys, ctx)
+        dst = GPULoadStoreSpec([11, 12, 13, 14], group_sizes=[4], block_indices=[0])
+        for conn in pipes:
+            conn.send((dst, load))
+        assert [conn.recv() for conn in pipes] == [True, True]
+        manager.complete_load(keys, ctx)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+        os.environ.clear()
+        os.environ.update(env)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_index_hits_equal_the_keys_vllms_lookup_walk_finds() -> None:
+    manager = spec_from_line().get_manager()
+    ctx = ReqContext(req_id="r")
+    keys = [key(i) for i in range(10)]
+    out = manager.prepare_store(keys[:6], ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)
+    walk = 0
+    for k in keys:  # the scheduler looks up key by key until a miss
+        if manager.lookup(k, ctx) is not LookupResult.HIT:
+            break
+        walk += 1
+    assert walk == 6
+    assert manager.index.lookup_keys(keys) == (6, False)
+    assert np.array_equal(manager.prepare_load(keys[:6], ctx).block_ids, out.store_spec.block_ids)
+
+
+# ---- vLLM's own scheduler and connector, with the one line in a VllmConfig ------------------------------------
+
+TINY_OPT = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "ffn_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 64,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+
+
+class Engine:
+    """vLLM's scheduler (with the OffloadingConnector's scheduler side) and a worker's OffloadingConnector over one
+    CPU KV cache, stepped as vLLM's engine core steps them; the model's forward pass is left out (its KV bytes are
+    whatever the blocks hold)."""
+
+    BLOCK = 16
+    BLOCKS = 64
+    HEAD = 4
+
+    def __init__(self, model_dir: str, line: str = ONE_LINE) -> None:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVEventsConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        cache = CacheConfig(block_size=self.BLOCK, enable_prefix_caching=True)
+        cache.kv_cache_layout = "LBNHC"
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=256,
+                max_model_len=1024,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=cache,
+            kv_transfer_config=KVTransferConfig(**json.loads(line)),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            device_config=DeviceConfig("cpu"),
+        )
+        self.config.scheduler_config.async_scheduling = False
+        spec = FullAttentionSpec(block_size=self.BLOCK, num_kv_heads=1, head_size=self.HEAD, dtype=torch.float32)
+        page = spec.page_size_bytes
+        kv_config = KVCacheConfig(
+            num_blocks=self.BLOCKS,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * self.BLOCKS, layers=["layer"], layer_stride=page * self.BLOCKS, block_stride=page
+                )
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        )
+        self.config.cache_config.num_gpu_blocks = self.BLOCKS
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, self.config)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
+        self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, kv_config)
+        # FlashAttention's layout, [num_blocks, 2, block_size, kv_heads, head_size]
+        self.kv = torch.randn(self.BLOCKS, 2, self.BLOCK, 1, self.HEAD, generator=torch.Generator().manual_seed(1))
+        with set_current_vllm_config(self.config):
+            self.worker.register_kv_caches({"layer": self.kv})
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(self.BLOCK, sha256)
+        # What vLLM publishes as KV events (its publisher here is the null one, which drops them).
+        self.published: list[Any] = []
+        self.scheduler.kv_event_publisher.publish = self.published.append
+
+    @property
+    def connector_scheduler(self) -> Any:
+        return self.scheduler.connector.connector_scheduler
+
+    def run(self, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+        """Runs one request to its end (and its transfers to theirs); returns the GPU blocks it held."""
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens)
+        params.update_from_generation_config({}, TINY_OPT["eos_token_id"])
+        self.scheduler.add_request(
+            Request(
+                request_id=req_id,
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                pooling_params=None,
+                block_hasher=self.hasher,
+            )
+        )
+        forward = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        blocks: list[int] = []
+        for _ in range(100):
+            if not (self.scheduler.requests or self.connector_scheduler._jobs or self.scheduler.finished_req_ids):
+                return blocks
+            out = self.scheduler.schedule()
+            if req_id in self.scheduler.requests:
+                blocks = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            meta = out.kv_connector_metadata
+            self.worker.handle_preemptions(meta)
+            self.worker.bind_connector_metadata(meta)
+            self.worker.start_load_kv(forward)
+            self.worker.wait_for_save()
+            sending, receiving = self.worker.get_finished(out.finished_req_ids)
+            worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
+            self.worker.clear_connector_metadata()
+            running = self.scheduler.running
+            output: dict[str, Any] = {
+                "req_ids": [r.request_id for r in running],
+                "sampled_token_ids": [[7] for _ in running],
+                "logprobs": None,
+                "prompt_logprobs_dict": {},
+                "pooler_output": None,
+                "kv_connector_output": KVConnectorOutput(
+                    finished_sending=sending,
+                    finished_recving=receiving,
+                    invalid_block_ids=set(),
+                    kv_connector_worker_meta=worker_meta,
+                ),
+            }
+            if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33
+                output["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
+            self.scheduler.update_from_output(out, ModelRunnerOutput(**output))
+        raise AssertionError(f"request {req_id} did not finish in 100 steps")
+
+
+def test_vllms_scheduler_and_connector_offload_to_kvtier_and_load_the_same_bytes_back(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_OPT))
+    engine = Engine(str(tmp_path))
+    # vLLM's connector built kvtier's manager (scheduler side) and worker (worker side) from the config's line.
+    manager = engine.connector_scheduler.manager
+    assert isinstance(manager, kv.KvtierManager)
+    assert isinstance(engine.worker.connector_worker.worker, kv.KvtierWorker)
+
+    prompt = list(range(100, 100 + 4 * Engine.BLOCK + 3))  # 4 full blocks and 3 tokens
+    first = engine.run("a", prompt, max_tokens=3)
+    assert manager.stats()["pages_stored"] == 4
+    stored = [engine.kv[b].clone() for b in first[:4]]
+    # kvtier's stores reached vLLM's published KV events as BlockStored with medium CPU, one a block.
+    cpu = [e for batch in engine.published for e in batch.events if getattr(e, "medium", None) == "CPU"]
+    assert [type(e).__name__ for e in cpu] == ["BlockStored"] * len(cpu)
+    assert sum(len(e.block_hashes) for e in cpu) == 4
+
+    # The GPU prefix cache forgets the prompt and its blocks are overwritten: only kvtier's host pool has the KV.
+    assert engine.scheduler.reset_prefix_cache()
+    engine.kv.zero_()
+    second = engine.run("b", prompt, max_tokens=2)
+    s = manager.stats()
+    assert (s["hits"], s["hit_tokens"], s["pages_loaded"]) == (1, 4 * Engine.BLOCK, 4)
+    for b, want in zip(second[:4], stored, strict=True):
+        assert torch.equal(engine.kv[b], want), f"GPU block {b} does not hold the bytes stored from the first run"
+
+
+# ---- contract: kvtier's manager against vLLM's CPUOffloadingManager (LRU, same capacity) ---------------------
+
+
+def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200) -> int:
+    """Random requests, each one store or one lookup-and-load, completed and finished before the next, on both
+    managers: the same lookups, keys to store, refusals, evictions and public events (vLLM's metadata-only removals
+    of failed stores, which it never announces, left out). Returns the number of evictions seen."""
+    import random
+
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    rnd = random.Random(seed)
+    ref = CPUOffloadingManager(num_chunks=capacity, cache_policy="lru", enable_events=True)
+    ours = kv.KvtierManager(capacity, enable_events=True)
+    evictions = 0
+    for step in range(steps):
+        where = f"seed {seed} step {step}"
+        contexts = (ReqContext(req_id=str(step)), ReqContext(req_id=str(step)))
+        for m, ctx in zip((ref, ours), contexts, strict=True):
+            m.on_new_request(ctx)
+        offered = list(dict.fromkeys(key(rnd.randrange(keys)) for _ in range(rnd.randint(1, batch))))
+        if rnd.random() < 0.5:
+            a, b = (m.prepare_store(offered, ctx) for m, ctx in zip((ref, ours), contexts, strict=True))
+            assert (a is None) == (b is None), where
+            if a is not None and b is not None:
+                assert a.keys_to_store == b.keys_to_store, where
+                assert sorted(a.evicted_keys) == sorted(b.evicted_keys), where
+                evictions += len(a.evicted_keys)
+                ok = rnd.random() < 0.9
+                ref.complete_store(a.keys_to_store, contexts[0], ok)
+                ours.complete_store(b.keys_to_store, contexts[1], ok)
+        else:
+            found = [[m.lookup(k, ctx) for k in offered] for m, ctx in zip((ref, ours), contexts, strict=True)]
+            assert found[0] == found[1], where
+            hits = [k for k, r in zip(offered, found[0], strict=True) if r is LookupResult.HIT]
+            if hits:
+                for m, ctx in zip((ref, ours), contexts, strict=True):
+                    m.prepare_load(hits, ctx)
+                    m.complete_load(hits, ctx)
+        for m, ctx in zip((ref, ours), contexts, strict=True):
+            m.on_request_finished(ctx)
+        # The manager answers lookups from its mirror of the pool: it agrees with the index on every key.
+        for k in (key(i) for i in range(keys)):
+            hits, pending = ours.index.lookup_keys([k])
+            want = LookupResult.HIT if hits else LookupResult.HIT_PENDING if pending else LookupResult.MISS
+            assert ours.lookup(k, contexts[1]) is want, where
+        theirs = sorted((e.removed, sorted(e.keys)) for e in ref.take_events() if not e.metadata_only)
+        mine = sorted((e.removed, sorted(e.keys)) for e in ours.take_events())
+        assert theirs == mine, where
+    return evictions
+
+
+def test_contract_one_block_requests_match_vllms_lru_hit_for_hit_and_eviction_for_eviction() -> None:
+    assert sum(replay(seed, capacity=6, keys=14, batch=1) for seed in range(40)) > 500
+
+
+def test_contract_batches_match_vllms_manager_until_the_pool_is_full() -> None:
+    # The order in which the pages of one batch age differs (kvtier releases a batch deepest first, vLLM 0.33's LRU
+    # ranks pages by request and position), so batches are compared where nothing is evicted.
+    for seed in range(40):
+        assert replay(seed, capacity=16, keys=16, batch=4) == 0
+
+
+# ---- KvtierMooncakeTier under vLLM's TieringOffloadingSpec, on a real Mooncake master -------------------------
+
+HAVE_MOONCAKE = find_spec("mooncake") is not None
+
+
+@pytest.fixture
+def mooncake_master() -> Any:
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake is not installed")
+    from kvtier.l3.server import LocalMooncake
+
+    with LocalMooncake(segment_bytes=64 << 20) as server:
+        yield server.master_addr
+
+
+def tiering_spec(master: str, chunks: int = 4, **tier: Any) -> Any:
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": chunks * 4096,
+        "secondary_tiers": [
+            {
+                "type": "KvtierMooncakeTier",
+                "module_path": "kvtier.vllm",
+                "l3_master": master,
+                "model_version": "test-revision",
+                "hash_key": "test-deployment-secret",
+                **tier,
+            }
+        ],
+    }
+    import uuid
+
+    config = offloading_config(extra, worker_kv_bytes_per_block=4096, events=True)
+    config = type(config)(**{**config.__dict__, "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}"})
+    return OffloadingSpecFactory.create_spec(config)
+
+
+def settle(manager: Any, until: Any, what: str) -> None:
+    """Steps the tiering manager (as the scheduler does at each step's end) until ``until()``."""
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    for _ in range(500):
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        if until():
+            return
+        import time
+
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_mooncake_tier_keeps_chunks_vllms_cpu_tier_evicted_and_serves_them_back_verified(mooncake_master: str) -> None:
+    from kvtier.vllm_tier import KvtierMooncakeTier
+
+    spec = tiering_spec(mooncake_master)
+    manager = spec.get_manager()
+    (tier,) = manager.secondary_tiers
+    assert isinstance(tier, KvtierMooncakeTier)
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    assert rows.shape == (4, 4096)
+    rng = np.random.default_rng(0)
+    try:
+        ctx = ReqContext(req_id="a")
+        manager.on_new_request(ctx)
+        keys = [key(i) for i in range(4)]
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        chunks = out.store_spec.block_ids.tolist()
+        data = {k: rng.integers(0, 256, 4096, dtype=np.uint8) for k in keys}
+        for k, c in zip(keys, chunks, strict=True):  # what the workers copy into the CPU tier
+            rows[c] = data[k]
+        manager.complete_store(keys, ctx)  # cascades to the Mooncake tier
+        settle(manager, lambda: tier.counters["put"] == 4 and not tier.has_pending_work(), "the puts")
+        manager.on_request_finished(ctx)
+        events = list(manager.take_events())
+        assert sorted(k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys) == keys
+
+        # Four new chunks push the first four out of the CPU tier; the Mooncake tier still has them.
+        ctx = ReqContext(req_id="b")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store([key(i) for i in range(10, 14)], ctx)
+        assert out is not None and sorted(out.evicted_keys) == keys
+        for c in out.store_spec.block_ids.tolist():
+            rows[c] = 0
+        manager.complete_store(out.keys_to_store, ctx)
+        settle(manager, lambda: tier.counters["put"] == 8 and not tier.has_pending_work(), "the second puts")
+        manager.on_request_finished(ctx)
+
+        # A lookup of an evicted key promotes it back from Mooncake into a CPU chunk, bytes checked.
+        ctx = ReqContext(req_id="c")
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+        settle(manager, lambda: manager.lookup(keys[0], ctx) is LookupResult.HIT, "the promotion")
+        load = manager.prepare_load([keys[0]], ctx)
+        (chunk,) = load.block_ids.tolist()
+        assert np.array_equal(rows[chunk].view(np.uint8), data[keys[0]])
+        manager.complete_load([keys[0]], ctx)
+        manager.on_request_finished(ctx)
+        assert tier.counters["loaded"] == 1 and tier.counters["rejected"] == 0
+    finally:
+        manager.shutdown()
+
+
+def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_master: str) -> None:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    spec = tiering_spec(mooncake_master)
+    manager = spec.get_manager()
+    (tier,) = manager.secondary_tiers
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    try:
+        rows[1] = 7
+        tier.submit_store(
+            TransferJob(
+                job_id=1, keys=[key(1)], chunk_ids=np.array([1]), is_promotion=False, req_context=ReqContext(req_id="a")
+            )
+        )
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        # Someone with Store access overwrites the object's payload (same length, header kept).
+        skey = tier._format.store_keys(tier._format.keys([bytes(key(1)).hex()]))[0]
+        size = tier._object_bytes
+        buf = np.zeros(size, dtype=np.uint8)
+        assert tier.store.get_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [size]
+        buf[-100:] ^= 0xFF
+        assert tier.store.remove(skey, True) == 0
+        assert tier.store.put_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [0]
+
+        rows[2] = 0
+        tier.submit_load(
+            TransferJob(
+                job_id=2, keys=[key(1)], chunk_ids=np.array([2]), is_promotion=True, req_context=ReqContext(req_id="b")
+            )
+        )
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert (result.success, list(result.successful_keys)) == (False, [])
+        assert tier.counters["rejected"] == 1
+        assert tier.lookup(key(1), ReqContext(req_id="c")) is LookupResult.MISS
+        removed = [k for e in tier.take_events() if e.removed for k in e.keys]
+        assert removed == [key(1)]
+        assert tier.store.exists_many([skey]) == [0], "the forged object is removed from the Store"
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tier", "message"),
+    [
+        ({"model_version": None}, "needs model_version"),
+        ({"l3_master": None}, "needs l3_master"),
+        ({"hash_key": None}, "public default hash_key"),
+        ({"root_dir": "/tmp"}, r"config keys \['root_dir'\] are not settings of this tier"),
+        ({"l3_master": "nohost"}, "nohost"),
+        ({"l3_protocol": "carrier-pigeon"}, "carrier-pigeon"),
+    ],
+)
+def test_mooncake_tier_refuses_bad_configs_naming_them(tier: dict[str, Any], message: str) -> None:
+    from kvtier.vllm_tier import tier_settings
+
+    config = {"l3_master": "127.0.0.1:1", "model_version": "r", "hash_key": "k", **tier}
+    with pytest.raises(ValueError, match=message):
+        tier_settings({k: v for k, v in config.items() if v is not None})
