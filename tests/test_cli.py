@@ -281,6 +281,18 @@ def test_bench_pin_on_the_cpu_reports_when_the_pool_was_pinned(capsys):
         assert out["calls_after"] > 0 and out["max_ms_by_call"]["poll"] > 0
 
 
+def test_bench_overlap_runs_on_the_cpu(capsys):
+    """The quick CPU run of the script: every row, both layouts (whole loads only: layer-wise loads need copy
+    streams); a model with state resumes and stores with its state handle."""
+    argv = ["bench", "overlap", "--device", "cpu", "--model", "tiny", "--reps", "1", "--stores", "2"]
+    assert main([*argv, "--prefix-tokens", "64", "--suffix-tokens", "16", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ttft = [r for r in rows if r["kind"] == "ttft"]
+    assert sorted(r["layout"] for r in ttft) == ["layer-first", "page-first"], rows
+    assert all(r["whole_loads_ms"] > 0 and r["reps"] == 1 for r in ttft), ttft
+    assert any(r["kind"] == "decode" and r["pages_stored"] > 0 for r in rows), rows
+
+
 def test_bench_index_agrees_at_the_smallest_pool_it_takes(capsys):
     assert main(["bench", "index", "--json", "--tokens", "1024", "--repeat", "2", "--page-slots", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
