@@ -258,6 +258,12 @@ impl Cache {
         self.executor().wait_layer(layer, engine)
     }
 
+    /// Whether `wait_layer(layer)` (None: `wait_loads`) has a load to wait for: an engine asks before it looks
+    /// its stream up, which costs more than this.
+    pub fn waiting(&self, layer: Option<i64>) -> Result<bool> {
+        self.executor().waiting(layer)
+    }
+
     /// `wait_layer` for every layer part.
     pub fn wait_loads(&self, engine: u64) -> Result<()> {
         self.executor().wait_loads(engine)

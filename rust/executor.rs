@@ -211,15 +211,30 @@ impl Executor {
 
     /// Before layer part `layer` reads its KV: the engine's stream waits for its pending layer-wise loads.
     pub fn wait_layer(&mut self, layer: i64, engine: u64) -> Result<()> {
+        let part = self.layer_part(layer)?;
+        match &mut self.streams {
+            Some(s) if self.layerwise => s.order.wait_layer(part, engine),
+            _ => Ok(()),
+        }
+    }
+
+    /// The layer part an engine's layer index names (a pool of one part serves every layer from it).
+    fn layer_part(&self, layer: i64) -> Result<usize> {
         let n = self.num_layers();
         if layer < 0 || (n > 1 && layer as usize >= n) {
             let bound = if n > 1 { format!("0 to {} (the pool's layer parts)", n - 1) } else { ">= 0".to_owned() };
             return Err(invalid(format!("layer must be an int {bound}, got {layer}")));
         }
-        match &mut self.streams {
-            Some(s) if self.layerwise => s.order.wait_layer(if n > 1 { layer as usize } else { 0 }, engine),
-            _ => Ok(()),
-        }
+        Ok(if n > 1 { layer as usize } else { 0 })
+    }
+
+    /// Whether `wait_layer(layer)` (None: `wait_loads`) has anything to wait for; the layer is checked as there.
+    pub fn waiting(&self, layer: Option<i64>) -> Result<bool> {
+        let part = layer.map(|l| self.layer_part(l)).transpose()?;
+        Ok(match &self.streams {
+            Some(s) => s.order.waiting(part),
+            None => false,
+        })
     }
 
     /// `wait_layer` for every layer part.

@@ -146,6 +146,14 @@ impl<D: Device> Order<D> {
         }
     }
 
+    /// Whether a layer-wise load of layer part `layer` (None: of any part) is still to be waited for.
+    pub fn waiting(&self, layer: Option<usize>) -> bool {
+        match layer {
+            Some(l) => self.layers.get(l).is_some_and(Option::is_some),
+            None => self.last_load.is_some(),
+        }
+    }
+
     /// `wait_layer` for every layer part: the stream is in order, so the last load's event covers all of them.
     pub fn wait_loads(&mut self, engine: u64) -> Result<()> {
         if let Some(ev) = self.last_load.take() {
@@ -336,7 +344,9 @@ mod tests {
             dev.work(H2D, name);
             o.after_load_layer(l).unwrap();
         }
+        assert!(o.waiting(Some(0)) && o.waiting(Some(2)) && o.waiting(None) && !o.waiting(Some(3)));
         o.wait_layer(0, ENGINE).unwrap();
+        assert!(!o.waiting(Some(0)) && o.waiting(Some(1)), "a layer once waited for is not waited for again");
         dev.work(ENGINE, "layer 0 reads");
         assert!(dev.happens_before("load layer 0", "layer 0 reads"));
         assert!(!dev.happens_before("load layer 1", "layer 0 reads"), "layer 0 overlaps the copy of layer 1");
@@ -345,6 +355,7 @@ mod tests {
         o.after_store(&[1], "r").unwrap();
         assert!(dev.happens_before("load layer 2", "store of the loaded blocks"));
         o.wait_loads(ENGINE).unwrap();
+        assert!(!o.waiting(None) && !o.waiting(Some(1)));
         dev.work(ENGINE, "every layer reads");
         assert!(dev.happens_before("load layer 2", "every layer reads"));
         assert!(o.wait_layer(3, ENGINE).is_err());

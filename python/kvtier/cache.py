@@ -421,11 +421,15 @@ class HostPrefixCache:
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` reads its KV: the engine's stream waits (GPU-side) for the pages of pending
         layer-wise loads of that layer. Cheap; a no-op without layer-wise loads and on the CPU."""
-        self._order("wait_layer", self._core.wait_layer, layer, stream=self._stream())
+        # The engine's stream is looked up only when there is a load to wait for: the lookup costs more than the
+        # call, and an engine calls this for every layer of every forward.
+        if self._core.waiting(layer):
+            self._order("wait_layer", self._core.wait_layer, layer, stream=self._stream())
 
     def wait_loads(self) -> None:
         """``wait_layer`` for every layer."""
-        self._order("wait_loads", self._core.wait_loads, stream=self._stream())
+        if self._core.waiting():
+            self._order("wait_loads", self._core.wait_loads, stream=self._stream())
 
     def release(self, blocks: BlockTable) -> None:
         """Before the engine rewrites ``blocks`` (GPU block ids, checked as ``store`` checks its table): its stream

@@ -391,9 +391,13 @@ impl PyCache {
     /// Before layer part `layer` reads its KV: the engine's stream waits (GPU-side) for its layer-wise loads.
     #[pyo3(signature = (layer, *, stream=0))]
     fn wait_layer(&self, layer: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
-        let l = if layer.is_instance_of::<PyBool>() { None } else { layer.extract::<i64>().ok() };
-        let l = l.ok_or_else(|| PyValueError::new_err(format!("layer must be an int, got {layer:?}")))?;
-        self.cache().wait_layer(l, stream).map_err(to_py)
+        self.cache().wait_layer(layer_index(layer)?, stream).map_err(to_py)
+    }
+
+    /// Whether `wait_layer(layer)` (None: `wait_loads`) has a load to wait for (the layer checked as there).
+    #[pyo3(signature = (layer=None))]
+    fn waiting(&self, layer: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        self.cache().waiting(layer.map(layer_index).transpose()?).map_err(to_py)
     }
 
     /// `wait_layer` for every layer part.
@@ -437,4 +441,10 @@ fn count(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
             Err(PyTypeError::new_err(format!("{what} must be an int, got {ty} {v:?}")))
         }
     }
+}
+
+/// An engine's layer index: an int, not a bool.
+fn layer_index(layer: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let l = if layer.is_instance_of::<PyBool>() { None } else { layer.extract::<i64>().ok() };
+    l.ok_or_else(|| PyValueError::new_err(format!("layer must be an int, got {layer:?}")))
 }
