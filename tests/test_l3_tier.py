@@ -67,14 +67,14 @@ def attach(e: Engine, master: str | None, **settings) -> Cache:  # type: ignore[
     cache = Cache(e, size_bytes=8 << 20, num_state_slots=64, preallocate=True, **settings)
     e.cache = cache
     if master is not None:
-        assert cache.cache._l3.wait_connected(SETTLE_S)
+        assert cache.cache.l3.wait_connected(SETTLE_S)
     return cache
 
 
 def settle(cache: Cache) -> dict:
     """Retires copies, lets the write-behind puts run, and returns the stats."""
     cache.poll()
-    assert cache.cache._l3.flush(SETTLE_S)
+    assert cache.cache.l3.flush(SETTLE_S)
     return cache.stats_dict()
 
 
@@ -109,7 +109,7 @@ def recording(e: Engine) -> dict[str, list[int]]:
 
 def wrap_store(cache: Cache, before_get=None) -> dict[str, set[str]]:  # type: ignore[no-untyped-def]
     """Records the keys the tier puts and gets; ``before_get(keys)`` runs before each get."""
-    store = cache.cache._l3.store
+    store = cache.cache.l3.store
     seen: dict[str, set[str]] = {"put": set(), "get": set()}
     put, get = store.put_many, store.get_many
 
@@ -207,7 +207,7 @@ def test_object_removed_between_exists_and_get_falls_back(mooncake_server):
     a.close()
 
     b = attach(engine(), mooncake_server.master_addr)
-    store = b.cache._l3.store
+    store = b.cache.l3.store
 
     def remove(keys):  # type: ignore[no-untyped-def]
         for k in keys:
@@ -236,7 +236,7 @@ def test_two_fingerprints_never_read_each_others_keys(mooncake_server):
     work(2).run(a.engine)
     assert settle(a)["l3_bytes_put"] > 0
     b = attach(engine(seed=12), mooncake_server.master_addr)
-    assert b.cache._l3.fingerprint != a.cache._l3.fingerprint
+    assert b.cache.l3.fingerprint != a.cache.l3.fingerprint
     off = work(2).run(engine(seed=12))
     assert work(2).run(b.engine) == off
     s = settle(b)
@@ -282,7 +282,7 @@ def test_planted_values_are_rejected_never_served(mooncake_server):
     other = attach(engine(seed=5, **f), mooncake_server.master_addr, l3_group_pages=1)
     w.run(other.engine)
     settle(other)
-    tier, raw = a.cache._l3, Raw(mooncake_server.master_addr)
+    tier, raw = a.cache.l3, Raw(mooncake_server.master_addr)
     n = L3_HEADER_BYTES + tier.group_pages * a.cache.page_bytes
     planted = {}
     for c, kind in enumerate(("bit", "fingerprint", "short", "long")):
@@ -293,7 +293,7 @@ def test_planted_values_are_rejected_never_served(mooncake_server):
         if kind == "bit":
             value[L3_HEADER_BYTES + 1000] ^= 0x04
         elif kind == "fingerprint":
-            value = bytearray(raw.read(other.cache._l3.group_key(chain[4]), n))
+            value = bytearray(raw.read(other.cache.l3.group_key(chain[4]), n))
         elif kind == "short":
             value = value[:-16]
         else:
@@ -307,7 +307,7 @@ def test_planted_values_are_rejected_never_served(mooncake_server):
     assert w.run(b.engine) == off
     s = settle(b)
     assert s["l3_rejected"] == 4 and s["l3_rejected_removed"] == 4, s
-    assert not s["l3_breaker_open"] and b.cache._l3.store.breaker.times_opened == 0, s
+    assert not s["l3_breaker_open"] and b.cache.l3.store.breaker.times_opened == 0, s
     assert s["l3_errors"] == 0, s
     # Nothing planted reached the host: every page the reader holds is the page recompute gives.
     c = attach(engine(**f), None)
@@ -334,7 +334,7 @@ def test_models_and_tensor_parallel_ranks_never_share_objects_mla_ranks_do(moonc
         e.model.embed.mul_(1.5)
     assert e.fingerprint == a.engine.fingerprint
     b = attach(e, mooncake_server.master_addr)
-    assert b.cache._l3.fingerprint != a.cache._l3.fingerprint
+    assert b.cache.l3.fingerprint != a.cache.l3.fingerprint
     off = engine(**f)
     with torch.no_grad():
         off.model.embed.mul_(1.5)
@@ -457,7 +457,7 @@ def test_master_killed_mid_workload_then_back(timed):
             elif t == 3:
                 server.restart_master()
                 # The new master knows no segment until the holder has remounted: wait until a put lands.
-                store, probe = a.cache._l3.store, np.ones(64, np.uint8)
+                store, probe = a.cache.l3.store, np.ones(64, np.uint8)
                 store.register(probe.ctypes.data, probe.nbytes)
                 deadline, n = time.monotonic() + SETTLE_S, 0
                 while time.monotonic() < deadline:
@@ -502,14 +502,14 @@ def test_engine_loop_calls_stay_fast_with_long_l3_hits(mooncake_server, timed):
             l3_deadline_ms=SETTLE_S * 1e3,
             fingerprint_fields={"test": "long"},
         )
-        assert c._l3.wait_connected(SETTLE_S)
+        assert c.l3.wait_connected(SETTLE_S)
         return c
 
     prompt = np.random.default_rng(9).integers(0, 1000, size=n_pages * bs + 1, dtype=np.int32)
     a = cache()
     a.store("p", prompt, np.arange(n_pages, dtype=np.int32))
     a.poll()
-    assert a._l3.flush(SETTLE_S) and a.stats()["l3_puts_failed"] == 0
+    assert a.l3.flush(SETTLE_S) and a.stats()["l3_puts_failed"] == 0
     expect = gpu[:n_pages].clone()
     gpu[:n_pages] = 0  # the hit must restore every page from L3
     b = cache()
@@ -611,7 +611,7 @@ def test_caches_dropped_without_close_release_threads_and_fds(mooncake_server):
             l3_buffer_bytes=1 << 20,
             fingerprint_fields={},
         )
-        assert c._l3.wait_connected(SETTLE_S)
+        assert c.l3.wait_connected(SETTLE_S)
         return c
 
     def settled(start: tuple[int, int], timeout_s: float) -> tuple[int, int]:

@@ -292,6 +292,12 @@ class HostPrefixCache:
         """The core's cache: what each engine call crosses into once (its copy streams, layer parts, blocks)."""
         return self._core
 
+    @property
+    def l3(self) -> Any:
+        """The L3 tier (``kvtier.l3.tier.L3Tier``: its Store, fingerprint, keys, ``wait_connected`` and ``flush``), or
+        None without L3."""
+        return self._l3
+
     def flush_l3(self, timeout_s: float) -> bool:
         """Waits until the L3 tier is connected and the work submitted to it so far (write-behind puts, fetches)
         has run, for tests, benchmarks and demos; returns whether it has (False without L3)."""

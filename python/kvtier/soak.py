@@ -194,7 +194,7 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     inner = cache.cache
     restart_at = -1
     if l3 is not None:
-        inner._l3.wait_connected(10)
+        inner.l3.wait_connected(10)
         if summary.l3_restarts == 0 and summary.rounds >= 2:
             restart_at = rng.randint(5, 40)  # restart the master once, in the middle of a round
     # Copy faults: page copy batches fail at random, as failed launches do (the core's fault seam).
@@ -219,8 +219,8 @@ def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary,
     got = work.run(engine)
     summary.mismatches += sum(got.get(rid) != out for rid, out in expected.items())
     inner.wait_pinned(30)
-    if inner._l3 is not None:
-        inner._l3.flush(10)  # puts and fetches in flight release their slots
+    if inner.l3 is not None:
+        inner.l3.flush(10)  # puts and fetches in flight release their slots
     inner.poll()
     s = cache.stats_dict()
     inner.index.check()

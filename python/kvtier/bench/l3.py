@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 l3_deadline_ms=60_000,
                 fingerprint_fields={"bench": run_id},
             )
-            if not c._l3.wait_connected(20):
+            if not c.l3.wait_connected(20):
                 raise SystemExit(f"kvtier bench l3: the Mooncake master at {master} accepted no client within 20 s")
             return c
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     writer.store(f"p{r}", prompt, table)
                     t0 = time.perf_counter()
                     writer.poll()
-                    if not writer._l3.flush(60):
+                    if not writer.l3.flush(60):
                         raise RuntimeError("the tier's put did not finish within 60 s")
                     put_tier.append(time.perf_counter() - t0)
                     writer.forget(f"p{r}")
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     started = reader.resume(f"g{r}", prompt, allocate=lambda: table)
                     t1 = time.perf_counter()
-                    fetch = reader._l3._fetches[f"g{r}"]
+                    fetch = reader.l3._fetches[f"g{r}"]
                     if started != -1 or fetch is None:
                         raise RuntimeError("the tier did not start a fetch")
                     fetch.future.result(60)
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 reader.resume(f"m{r}", other, allocate=lambda: table)
                 t1 = time.perf_counter()
-                fetch = reader._l3._fetches[f"m{r}"]
+                fetch = reader.l3._fetches[f"m{r}"]
                 assert fetch is not None and fetch.future is not None
                 fetch.future.result(60)
                 miss_tier.append(time.perf_counter() - t0)
