@@ -42,14 +42,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
 from kvtier.identity import Shard, layout_fields
 from kvtier.l3.errors import L3Error, L3Timeout
-from kvtier.l3.store import OBJECT_NOT_FOUND, WRONG_LENGTH, MooncakeStore, Store, StoreConfig
+from kvtier.l3.store import OBJECT_NOT_FOUND, WRONG_LENGTH, HostBuffer, MooncakeStore, Store, StoreConfig
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.sglang")
@@ -187,15 +186,6 @@ def _pointer_pieces(locations: Sequence[Any], sizes: Sequence[Any] | None, what:
     return out
 
 
-class _Buffer:
-    """Zeroed host memory handed to the Store by address (header slots, staging)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.array = np.zeros(nbytes, dtype=np.uint8)
-        self.addr = int(self.array.ctypes.data)
-        self.nbytes = nbytes
-
-
 class KvtierStore(HiCacheStorage):
     """A SGLang ``HiCacheStorage`` whose pages are kvtier's verified objects in Mooncake Store.
 
@@ -226,17 +216,9 @@ class KvtierStore(HiCacheStorage):
         # at once, and each direction's lock orders the calls that use them.
         self._put_lock = threading.Lock()
         self._get_lock = threading.Lock()
-        self._headers = {d: _Buffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
-        self._staging = {d: _Buffer(s.l3_staging_bytes) for d in ("put", "get")}
-        config = StoreConfig(
-            s.l3_master,
-            metadata_server=s.l3_metadata_server,
-            protocol=s.l3_protocol,
-            local_hostname=s.l3_local_hostname,
-            global_segment_bytes=s.l3_segment_bytes,
-            local_buffer_bytes=s.l3_buffer_bytes,
-        )
-        self.store: Store = (store_factory or MooncakeStore)(config)
+        self._headers = {d: HostBuffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
+        self._staging = {d: HostBuffer(s.l3_staging_bytes) for d in ("put", "get")}
+        self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         self._registered: list[int] = []
         try:
             buffers = [*self._staging.values(), *(self._headers.values() if self.zero_copy else ())]
@@ -391,7 +373,7 @@ class KvtierStore(HiCacheStorage):
         return done
 
     @staticmethod
-    def _staged_wire(staging: _Buffer, wire_sizes: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    def _staged_wire(staging: HostBuffer, wire_sizes: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
         """Each object as one range of the staging buffer, one after another."""
         ptrs, sizes, at = [], [], staging.addr
         for s in wire_sizes:

@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
 from kvtier.identity import Shard, layout_fields
 from kvtier.l3.errors import L3Error, L3Timeout
-from kvtier.l3.store import OBJECT_NOT_FOUND, MooncakeStore, Store, StoreConfig
+from kvtier.l3.store import OBJECT_NOT_FOUND, HostBuffer, MooncakeStore, Store, StoreConfig
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.vllm")
@@ -67,15 +67,6 @@ TIER_SETTINGS = (
 VLLM_TIER_KEYS = frozenset({"locality"})
 # Objects one Store call moves at most (header slots of a staging buffer).
 HEADER_SLOTS = 256
-
-
-class _Buffer:
-    """Zeroed host memory handed to the Store by address."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.array = np.zeros(nbytes, dtype=np.uint8)
-        self.addr = int(self.array.ctypes.data)
-        self.nbytes = nbytes
 
 
 def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
@@ -167,17 +158,9 @@ class KvtierMooncakeTier(SecondaryTierManager):
             )
         self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
         self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
-        self._headers = {d: _Buffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
-        self._staging = {d: _Buffer(s.l3_staging_bytes) for d in ("put", "get")}
-        store_config = StoreConfig(
-            s.l3_master,
-            metadata_server=s.l3_metadata_server,
-            protocol=s.l3_protocol,
-            local_hostname=s.l3_local_hostname,
-            global_segment_bytes=s.l3_segment_bytes,
-            local_buffer_bytes=s.l3_buffer_bytes,
-        )
-        self.store: Store = (store_factory or MooncakeStore)(store_config)
+        self._headers = {d: HostBuffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
+        self._staging = {d: HostBuffer(s.l3_staging_bytes) for d in ("put", "get")}
+        self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         try:
             for b in self._staging.values():
                 self.store.register(b.addr, b.nbytes)
@@ -275,12 +258,12 @@ class KvtierMooncakeTier(SecondaryTierManager):
         per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self._object_bytes))
         return ((i, min(i + per, n)) for i in range(0, n, per))
 
-    def _wire(self, headers: _Buffer, chunks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    def _wire(self, headers: HostBuffer, chunks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         ptrs = [[headers.addr + j * L3_HEADER_BYTES, self._base + c * self._stride] for j, c in enumerate(chunks)]
         sizes = [[L3_HEADER_BYTES, self._row_bytes] for _ in chunks]
         return ptrs, sizes
 
-    def _staged(self, staging: _Buffer, count: int) -> tuple[list[list[int]], list[list[int]]]:
+    def _staged(self, staging: HostBuffer, count: int) -> tuple[list[list[int]], list[list[int]]]:
         return (
             [[staging.addr + j * self._object_bytes] for j in range(count)],
             [[self._object_bytes] for _ in range(count)],

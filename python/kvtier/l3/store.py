@@ -22,13 +22,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
 
 from kvtier._core import L3_WRONG_LENGTH
 from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
 from kvtier.l3.worker import Breaker, Worker
+
+if TYPE_CHECKING:
+    from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.l3")
 
@@ -178,6 +183,20 @@ class StoreConfig:
         if self.max_pending_calls < 1:
             raise ValueError(f"max_pending_calls must be >= 1, got {self.max_pending_calls}")
 
+    @classmethod
+    def of(cls, settings: CacheSettings) -> StoreConfig:
+        """The Store's address and sizes from kvtier's L3 settings (``l3_master`` must be set)."""
+        if settings.l3_master is None:
+            raise ValueError("the L3 tier needs l3_master (host:port)")
+        return cls(
+            settings.l3_master,
+            metadata_server=settings.l3_metadata_server,
+            protocol=settings.l3_protocol,
+            local_hostname=settings.l3_local_hostname,
+            global_segment_bytes=settings.l3_segment_bytes,
+            local_buffer_bytes=settings.l3_buffer_bytes,
+        )
+
     @property
     def master_host(self) -> str:
         return self.master_addr.rpartition(":")[0]
@@ -185,6 +204,15 @@ class StoreConfig:
     @property
     def master_port(self) -> int:
         return int(self.master_addr.rpartition(":")[2])
+
+
+class HostBuffer:
+    """Zeroed host memory handed to a Store by address (header slots, staging buffers)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.addr = int(self.array.ctypes.data)
+        self.nbytes = nbytes
 
 
 class StoreWrapper:
@@ -519,6 +547,7 @@ __all__ = [
     "TRANSFER_FAIL",
     "WRONG_LENGTH",
     "Breaker",
+    "HostBuffer",
     "L3Error",
     "L3Timeout",
     "L3Unavailable",

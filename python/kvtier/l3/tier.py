@@ -168,8 +168,7 @@ class L3Tier:
         fingerprint_fields: Mapping[str, str],
         store_factory: Callable[[StoreConfig], Store] | None = None,
     ) -> None:
-        if settings.l3_master is None:
-            raise ValueError("the L3 tier needs l3_master (host:port)")
+        self.config = StoreConfig.of(settings)
         self.deadline_s = settings.l3_deadline_ms / 1e3
         self._fields = dict(fingerprint_fields)
         self.planner = L3Planner(
@@ -183,14 +182,6 @@ class L3Tier:
             hash_key=settings.hash_key,
             seen_keys=settings.l3_seen_keys,
             staging_bytes=None if settings.l3_zero_copy else settings.l3_staging_bytes,
-        )
-        self.config = StoreConfig(
-            settings.l3_master,
-            metadata_server=settings.l3_metadata_server,
-            protocol=settings.l3_protocol,
-            local_hostname=settings.l3_local_hostname,
-            global_segment_bytes=settings.l3_segment_bytes,
-            local_buffer_bytes=settings.l3_buffer_bytes,
         )
         self._factory = store_factory or _mooncake
         self._pools = [p for p in (page_pool, state_pool) if p is not None]
