@@ -414,24 +414,8 @@ impl PageCopier {
             }
         };
         let n = gpu_ids.len();
-        let bytes = n as u64 * self.page_bytes();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, usize::from)
-            .min(CPU_MAX_THREADS)
-            .min(usize::try_from(bytes / CPU_BYTES_PER_THREAD).unwrap_or(usize::MAX))
-            .min(n)
-            .max(1);
-        if threads == 1 {
-            (0..n).for_each(copy_page);
-            return;
-        }
-        let per = n.div_ceil(threads);
-        std::thread::scope(|s| {
-            for t in 0..threads {
-                let copy_page = &copy_page;
-                s.spawn(move || (t * per..((t + 1) * per).min(n)).for_each(copy_page));
-            }
-        });
+        let threads = crate::par::threads_for(n as u64 * self.page_bytes(), CPU_BYTES_PER_THREAD, n, CPU_MAX_THREADS);
+        crate::par::map(n, threads, copy_page);
     }
 }
 

@@ -203,19 +203,8 @@ pub const DIGEST_PART_BYTES: usize = 16 << 20;
 /// of whole parts gives the same digests.
 pub fn part_digests(data: &[u8]) -> Vec<[u8; 32]> {
     let parts: Vec<&[u8]> = data.chunks(DIGEST_PART_BYTES).collect();
-    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(parts.len()).max(1);
-    let mut out = vec![[0u8; 32]; parts.len()];
-    let per = parts.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (outs, ins) in out.chunks_mut(per.max(1)).zip(parts.chunks(per.max(1))) {
-            scope.spawn(move || {
-                for (o, part) in outs.iter_mut().zip(ins) {
-                    *o = *blake3::hash(part).as_bytes();
-                }
-            });
-        }
-    });
-    out
+    let threads = crate::par::threads_for(data.len() as u64, 1, parts.len(), usize::MAX);
+    crate::par::map(parts.len(), threads, |i| *blake3::hash(parts[i]).as_bytes())
 }
 
 /// `kvtier/v<version>/<fp>/g<G>/<hex>`: the object holding pages `[g*G, (g+1)*G)`, named by the chain key of its

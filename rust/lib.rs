@@ -12,6 +12,7 @@ pub mod index;
 pub mod l3;
 pub mod l3plan;
 pub mod order;
+pub mod par;
 pub mod policy;
 pub mod pool;
 pub mod stats;

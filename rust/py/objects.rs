@@ -30,6 +30,9 @@ fn page_key(hash: &str) -> Key {
     Key::from_le_bytes(out)
 }
 
+/// Payload bytes worth a digesting thread of their own (BLAKE3 runs at a few GB/s a core; a thread costs tens of us).
+const DIGEST_BYTES_PER_THREAD: u64 = 1 << 20;
+
 /// `(address, bytes)` pieces of each object, checked once at the boundary.
 struct Pieces(Vec<Vec<(usize, usize)>>);
 
@@ -58,6 +61,21 @@ impl Pieces {
             out.push(p.into_iter().zip(s).collect());
         }
         Ok(Self(out))
+    }
+
+    /// As `new`, for objects whose headers are slots at `headers`.
+    fn with_headers(headers: usize, ptrs: Vec<Vec<usize>>, sizes: Vec<Vec<usize>>, objects: usize) -> PyResult<Self> {
+        if headers == 0 {
+            return Err(PyValueError::new_err("headers must be a non-zero address"));
+        }
+        Self::new(ptrs, sizes, objects)
+    }
+
+    /// `f(i)` for every object, spread over a few threads when there are MiBs to digest.
+    fn each_object<T: Send>(&self, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+        let n = self.0.len();
+        let bytes: usize = (0..n).map(|i| self.bytes(i)).sum();
+        crate::par::map(n, crate::par::threads_for(bytes as u64, DIGEST_BYTES_PER_THREAD, n, usize::MAX), f)
     }
 
     fn bytes(&self, i: usize) -> usize {
@@ -121,18 +139,16 @@ impl PyObjectFormat {
         ptrs: Vec<Vec<usize>>,
         sizes: Vec<Vec<usize>>,
     ) -> PyResult<()> {
-        let pieces = Pieces::new(ptrs, sizes, keys.len())?;
-        if headers == 0 {
-            return Err(PyValueError::new_err("headers must be a non-zero address"));
-        }
+        let pieces = Pieces::with_headers(headers, ptrs, sizes, keys.len())?;
         py.detach(|| {
-            for (i, &key) in keys.iter().enumerate() {
+            pieces.each_object(|i| {
                 // SAFETY: the caller keeps `keys.len()` header slots at `headers` and every payload piece alive and
-                // unwritten by others during the call (python/kvtier/sglang.py holds the direction's lock).
+                // unwritten by others during the call (python/kvtier/sglang.py holds the direction's lock); each
+                // object's header slot is written by one thread.
                 let (header, payload) =
                     unsafe { (&mut *((headers + i * HEADER_BYTES) as *mut [u8; HEADER_BYTES]), pieces.slices(i)) };
-                self.format.seal(header, key, ObjectKind::Group, &payload);
-            }
+                self.format.seal(header, keys[i], ObjectKind::Group, &payload);
+            });
         });
         Ok(())
     }
@@ -149,27 +165,20 @@ impl PyObjectFormat {
         sizes: Vec<Vec<usize>>,
         got: Vec<i64>,
     ) -> PyResult<Vec<Option<String>>> {
-        let pieces = Pieces::new(ptrs, sizes, keys.len())?;
-        if got.len() != keys.len() || headers == 0 {
-            return Err(PyValueError::new_err(format!(
-                "need a non-zero headers address and {} results, got {headers:#x} and {}",
-                keys.len(),
-                got.len()
-            )));
+        let pieces = Pieces::with_headers(headers, ptrs, sizes, keys.len())?;
+        if got.len() != keys.len() {
+            return Err(PyValueError::new_err(format!("need {} results, got {}", keys.len(), got.len())));
         }
         Ok(py.detach(|| {
-            keys.iter()
-                .enumerate()
-                .map(|(i, &key)| {
-                    if got[i] != (HEADER_BYTES + pieces.bytes(i)) as i64 {
-                        return Some(Reject::Length(got[i]).to_string());
-                    }
-                    // SAFETY: as in `seal`: the header slot and the pieces stay alive and untouched during the call.
-                    let (header, payload) =
-                        unsafe { (&*((headers + i * HEADER_BYTES) as *const [u8; HEADER_BYTES]), pieces.slices(i)) };
-                    self.format.check(header, key, ObjectKind::Group, &payload).err().map(|r| r.to_string())
-                })
-                .collect()
+            pieces.each_object(|i| {
+                if got[i] != (HEADER_BYTES + pieces.bytes(i)) as i64 {
+                    return Some(Reject::Length(got[i]).to_string());
+                }
+                // SAFETY: as in `seal`: the header slot and the pieces stay alive and untouched during the call.
+                let (header, payload) =
+                    unsafe { (&*((headers + i * HEADER_BYTES) as *const [u8; HEADER_BYTES]), pieces.slices(i)) };
+                self.format.check(header, keys[i], ObjectKind::Group, &payload).err().map(|r| r.to_string())
+            })
         }))
     }
 }

@@ -2,13 +2,15 @@
 
 Needs SGLang (its storage interface, backend factory and host pools import on a CPU machine) and Mooncake. Starts a
 Mooncake master and holder on loopback, builds one real SGLang host pool (``MHATokenToKVPoolHost``, page-first, on
-the CPU) and three backends through SGLang's own factory on that master: SGLang's Mooncake backend
-(``--hicache-storage-backend mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) zero-copy
-(``l3_zero_copy``: the host pool registered, as SGLang's always is) and staged (kvtier's default: only its staging
-buffers registered). Each round, every backend stores ``--pages`` fresh pages with ``batch_set_v1`` (the same
-host pages, keys of its own) and reads them back into other host pages with ``batch_get_v1``; the bytes read are
-compared with those written. Throughput is page bytes per second (GB/s, 1e9 bytes/s; kvtier's 80-byte headers not
-counted), medians over the rounds. Run: ``kvtier bench sglang [--json]``.
+the CPU) and four backends through SGLang's own factory on that master: SGLang's Mooncake backend
+(``--hicache-storage-backend mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) three ways:
+"trusted" (``l3_trusted_store`` and ``l3_zero_copy``: the mode SGLang's backend always runs in, a trusted network
+and the host pool registered; objects still verified, with xxh3-128 digests), "zero-copy" (``l3_zero_copy`` with a
+``hash_key``: keyed BLAKE3 digests nobody without the key can forge) and "staged" (kvtier's default with a
+``hash_key``: only its staging buffers registered). Each round, every backend in turn stores ``--pages`` fresh pages
+with ``batch_set_v1`` (the same host pages, keys of its own) and reads them back into other host pages with
+``batch_get_v1``; the bytes read are compared with those written. Throughput is page bytes per second (GB/s, 1e9
+bytes/s; kvtier's 80-byte headers not counted), medians over the rounds. Run: ``kvtier bench sglang [--json]``.
 """
 
 from __future__ import annotations
@@ -179,12 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     kvtier = {**KVTIER_BACKEND, "interface_v1": 1, "model_version": "bench", "hash_key": "kvtier bench"}
     results: dict[str, Any] = {}
     with LocalMooncake(segment_bytes=a.segment_mib << 20, lease_ttl_ms=10_000) as server:
+        at = {**kvtier, "l3_master": server.master_addr}
+        trusted = {k: v for k, v in at.items() if k != "hash_key"}
         backends = {
             "sglang mooncake": build("mooncake", sglang_mooncake_config(server.master_addr), pool),
-            "kvtier zero-copy": build(
-                "dynamic", {**kvtier, "l3_master": server.master_addr, "l3_zero_copy": True}, pool
-            ),
-            "kvtier staged": build("dynamic", {**kvtier, "l3_master": server.master_addr}, pool),
+            "kvtier trusted": build("dynamic", {**trusted, "l3_trusted_store": True, "l3_zero_copy": True}, pool),
+            "kvtier zero-copy": build("dynamic", {**at, "l3_zero_copy": True}, pool),
+            "kvtier staged": build("dynamic", at, pool),
         }
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
         for r in range(a.rounds + 1):  # round 0 warms every path up and is not timed
