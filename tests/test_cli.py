@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvtier
+from conftest import needs_mooncake
 from kvtier.cli import main
 from kvtier.settings import REGISTRY, SECRET, TEXT
 
@@ -212,7 +213,7 @@ READ = [
 @pytest.mark.parametrize("command, setting", READ, ids=[f"{c} {s.variable}" for c, s in READ])
 def test_every_bad_kvtier_variable_stops_a_command_before_its_first_request(command, setting, capsys, monkeypatch):
     if "l3" in command:
-        pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+        needs_mooncake()
     for s in REGISTRY:
         monkeypatch.delenv(s.variable, raising=False)
     monkeypatch.setenv(setting.variable, bad_value(setting))
@@ -340,7 +341,7 @@ GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.M)
 
 @pytest.mark.mooncake
 def test_mooncake_logs_to_files_and_not_stderr_unless_told(tmp_path):
-    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    needs_mooncake()
     demo = ("demo", "--l3", "local", "--quiet", *TINY, "--conversations", "2", "--turns", "2")  # the last ones win
     r = run_cli(*demo, env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvtier
+from conftest import needs_mooncake
 from kvtier.cache import HostPrefixCache
 from kvtier.events import EventPublisher, encode_batch, event_message
 
@@ -141,7 +142,7 @@ def test_l3_puts_and_drops_become_storage_events(mooncake_server, pubsub):
     """A cache whose host pool is too small for its prompts, over a Store that loses objects (removed just before
     a get asks for them, as a Store evicting under memory pressure does): the router's "STORAGE" pages are those of
     the groups put and not found gone, its "CPU" pages the host pool's."""
-    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    needs_mooncake()
     from kvtier.l3 import MooncakeStore
     from kvtier.l3.store import StoreWrapper
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvtier
+from conftest import needs_mooncake
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
 from kvtier.engine import Engine, EngineConfig
@@ -303,7 +304,7 @@ def test_a_read_only_cpu_pool_is_refused_at_construction():
 def test_a_forked_child_neither_crashes_nor_blocks(end, tmp_path):
     """A child of a process whose cache has a live L3 Store: the inherited cache is closed there (calls are
     no-ops, close() returns at once) and the child ends as it says, however it exits."""
-    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    needs_mooncake()
     code = textwrap.dedent(f"""
         import os, sys, time, torch
         from kvtier.cache import HostPrefixCache

@@ -14,7 +14,9 @@ from concurrent.futures import CancelledError
 import numpy as np
 import pytest
 
-pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+from conftest import needs_mooncake
+
+needs_mooncake()
 
 from kvtier.l3.server import LocalMooncake, free_port  # noqa: E402
 from kvtier.l3.store import (  # noqa: E402

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+from conftest import LEASE_TTL_MS, needs_mooncake
 
-from conftest import LEASE_TTL_MS  # noqa: E402
+needs_mooncake()
+
 from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+from conftest import needs_mooncake
+
+needs_mooncake()
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory", reason="SGLang is not installed")
 
 from kvtier._core import L3_FORMAT_VERSION  # noqa: E402

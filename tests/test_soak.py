@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from conftest import needs_mooncake
 from kvtier.soak import soak
 
 
@@ -35,7 +36,7 @@ def test_soak_on_gpu():
 
 @pytest.mark.mooncake
 def test_soak_with_l3_faults_and_a_master_restart(caplog, timed):
-    pytest.importorskip("mooncake.store", reason="mooncake is not installed", exc_type=ImportError)
+    needs_mooncake()
     from kvtier.l3.server import LocalMooncake
 
     # Its own master: the soak restarts it.
