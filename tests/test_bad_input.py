@@ -107,7 +107,7 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
             "1000000",
         ),
         (
-            "cache CUDA tensor on CPU cache",
+            "cache negative host_bytes",
             lambda: HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=-5),
             ValueError,
             "-5",
@@ -219,7 +219,7 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
             "block table or None",
         ),
         ("resume short table", lambda: p.resume("seen", ok_prompt, allocate=lambda: [0]), ValueError, "1 blocks"),
-        ("lookup int request", lambda: p.lookup(None, ok_prompt), TypeError, "request_id"),
+        ("lookup None request", lambda: p.lookup(None, ok_prompt), TypeError, "request_id"),
         # Settings: ValueError naming the setting, before any allocation (no setting aborts the process).
         (
             "setting host_bytes text",
