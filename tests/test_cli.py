@@ -155,6 +155,8 @@ BAD = [
     (["bench", "copy", "--plot", "gbps.doc"], "matplotlib writes no .doc files"),
     (["bench", "index", "--page-slots", "1"], "--page-slots must hold the prompt's 2048 pages (every page cached)"),
     (["bench", "index", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+    (["bench", "vllm", "--keys", "2.5"], "--keys: not an integer: '2.5'"),
+    (["bench", "vllm", "--repeat", "0"], "--repeat: must be > 0, got 0"),
     (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
     (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
     (["soak", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),

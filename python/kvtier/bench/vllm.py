@@ -186,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.cli import parser, positive
 
     ap = parser("kvtier bench vllm", __doc__)
-    ap.add_argument("--keys", type=positive(), default=2048, help="keys stored, looked up and replaced")
-    ap.add_argument("--repeat", type=positive(), default=7, help="runs a manager; the median is reported")
+    ap.add_argument("--keys", type=positive(int), default=2048, help="keys stored, looked up and replaced")
+    ap.add_argument("--repeat", type=positive(int), default=7, help="runs a manager; the median is reported")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--copies", action="store_true", help="measure the worker's copies on CUDA instead (no vLLM)")
     args = ap.parse_args(argv)
