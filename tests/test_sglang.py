@@ -23,6 +23,8 @@ from conftest import needs_mooncake
 needs_mooncake()
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory", reason="SGLang is not installed")
 
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+
 from kvtier._core import L3_FORMAT_VERSION  # noqa: E402
 from kvtier.bench.sglang import build, host_pool, page_bytes_of, sglang_mooncake_config, storage_config  # noqa: E402
 from kvtier.l3.store import import_mooncake  # noqa: E402
@@ -260,6 +262,125 @@ def run_sglang_mooncake_tests(theirs: Any) -> None:
     theirs.test_single_operation()
     for mla, rank, size in ((False, 0, 1), (True, 0, 1), (False, 1, 4), (True, 3, 8)):
         theirs.test_batch_operation(theirs.make_hicache_storage_config(is_mla_model=mla, tp_rank=rank, tp_size=size))
+
+
+def mamba_pool(slots: int = 8, layers: int = 2) -> Any:
+    """A real SGLang Mamba state pool on the CPU (``MambaPoolHost``, page-first: one slot a page), built from CPU
+    "device" states as SGLang's hybrid pool assembler builds it from GPU ones."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, 3, 16, dtype=torch.bfloat16),),
+    )
+    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+
+
+def state(pool: Any, slot: int) -> list[torch.Tensor]:
+    """The bytes of one Mamba slot, a tensor per state buffer."""
+    return [b[slot].reshape(-1).view(torch.uint8).clone() for b in pool.get_hybrid_pool_buffer()]
+
+
+def hybrid(server: Any, closing: list[Any], zero_copy: bool = False, mla: bool = False, **ranks: Any) -> Any:
+    """A backend built by SGLang's factory with a KV pool (MLA's, ``mla``) and a Mamba pool registered as SGLang's
+    hybrid cache controller registers them (``register_mem_pool_host``, then ``register_mem_host_pool_v2`` for
+    each): the backend, the KV pool and the Mamba pool."""
+    kv, mamba = host_pool(mla=mla, pages=16), mamba_pool()
+    storage = build("dynamic", extra(server, l3_zero_copy=zero_copy), kv, is_mla_model=mla, **ranks)
+    closing.append(storage)
+    storage.register_mem_host_pool_v2(kv, PoolName.KV)
+    storage.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    storage.on_host_pools_registered()
+    kv.kv_buffer.view(torch.uint8).random_(0, 256)
+    for b in mamba.get_hybrid_pool_buffer():
+        b.view(torch.uint8).random_(0, 256)
+    return storage, kv, mamba
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_hybrid_models_states_round_trip_through_the_v2_calls(
+    mooncake_server: Any, closing: list[Any], zero_copy: bool
+) -> None:
+    storage, kv, mamba = hybrid(mooncake_server, closing, zero_copy)
+    keys = page_hashes(PAGES)
+    # SGLang backs up the KV pages of a node and the Mamba state at its end (the last page).
+    written = storage.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, keys=keys, host_indices=tokens(0)),
+            PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], host_indices=torch.tensor([2])),
+        ]
+    )
+    assert written == {PoolName.KV: [True] * PAGES, PoolName.MAMBA: [True]}
+
+    trailing = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    hit = storage.batch_exists_v2([*keys, page_hashes(1)[0]], [trailing])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (PAGES, [PAGES])
+    assert hit.extra_pool_hit_pages == {PoolName.KV: PAGES, PoolName.MAMBA: PAGES}
+    # Only the state of the last page exists: every page's (all_pages) restores nothing, nor does a shorter prefix.
+    every = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+    assert storage.batch_exists_v2(keys, [every]).restorable_prefix_pages == []
+    assert storage.batch_exists_v2(keys[:-1], [trailing]).kv_hit_pages == 0
+
+    got = storage.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, keys=keys, host_indices=tokens(8)),
+            PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], host_indices=torch.tensor([5])),
+        ]
+    )
+    assert got == {PoolName.KV: [True] * PAGES, PoolName.MAMBA: [True]}
+    assert all(torch.equal(page(kv, 8 + p), page(kv, p)) for p in range(PAGES))
+    assert all(torch.equal(a, b) for a, b in zip(state(mamba, 5), state(mamba, 2), strict=True))
+    # A page's KV object never stands in for its state: the Mamba pool's objects have keys of their own.
+    assert storage.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([6]))]) == {
+        PoolName.MAMBA: [False]
+    }
+    assert set(storage.store_keys(keys, PoolName.MAMBA)).isdisjoint(storage.store_keys(keys))
+    stats = storage.stats()
+    assert (stats["sglang_pages_put"], stats["sglang_pages_loaded"], stats["sglang_rejected"]) == (5, 5, 0)
+
+
+def test_planted_states_are_rejected_and_mamba_states_stay_rank_sharded_in_an_mla_model(
+    mooncake_server: Any, raw: Raw, closing: list[Any]
+) -> None:
+    storage, _, mamba = hybrid(mooncake_server, closing)
+    keys = page_hashes(2)
+    assert storage.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([0, 1]))])
+    skeys = storage.store_keys(keys, PoolName.MAMBA)
+    flipped = bytearray(raw.get(skeys[0]))
+    flipped[-1] ^= 0x01
+    raw.plant(skeys[0], bytes(flipped))
+    raw.plant(skeys[1], raw.get(skeys[1])[:-64])
+    before = state(mamba, 4)
+    got = storage.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([3, 4]))])
+    assert got == {PoolName.MAMBA: [False, False]}
+    assert storage.stats()["sglang_rejected"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(state(mamba, 4), before, strict=True)), "staged: never loaded"
+
+    # An MLA model's KV is one object for every TP rank; its Mamba states are each rank's own.
+    ranks = [hybrid(mooncake_server, closing, mla=True, tp_rank=r, tp_size=2)[0] for r in range(2)]
+    assert ranks[0].store_keys(keys) == ranks[1].store_keys(keys)
+    assert ranks[0].store_keys(keys, PoolName.MAMBA) != ranks[1].store_keys(keys, PoolName.MAMBA)
+
+
+def test_bad_v2_calls_name_the_bad_value(mooncake_server: Any, closing: list[Any]) -> None:
+    storage, _, _ = hybrid(mooncake_server, closing)
+    keys = page_hashes(2)
+    with pytest.raises(ValueError, match="'swa' is not registered"):
+        storage.batch_get_v2([PoolTransfer(name=PoolName.SWA, keys=keys, host_indices=tokens(0, 2))])
+    with pytest.raises(ValueError, match="block_groups"):
+        storage.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
+    with pytest.raises(ValueError, match=r"host_indices must hold 2 pages of 1 tokens, got 3"):
+        storage.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([0, 1, 2]))])
+    with pytest.raises(ValueError, match="registered already"):
+        storage.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
+    with pytest.raises(ValueError, match="not the one register_mem_pool_host took"):
+        storage.register_mem_host_pool_v2(host_pool(pages=16), PoolName.KV)
+    # A call refused for one transfer moves no page of the others.
+    bad = PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([0]))
+    with pytest.raises(ValueError):
+        storage.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=tokens(0, 2)), bad])
+    assert storage.stats()["sglang_pages_put"] == 0 and storage.batch_exists(keys) == 0
 
 
 def test_bad_settings_are_refused_before_connecting(mooncake_server: Any) -> None:

@@ -26,8 +26,14 @@ Two ways objects move, as in kvtier's own tier (``l3_zero_copy``):
   Mooncake backend always works so: a trusted Mooncake network only); every object is still checked.
 
 The deprecated calls that take tensors or raw pointers (``get``, ``set``, ``batch_get``, ``batch_set``) always move
-through the staging buffers. The ``_v2`` calls of hybrid models' extra pools are not implemented (SGLang raises
-NotImplementedError for them).
+through the staging buffers.
+
+Hybrid models' extra host pools (Mamba states, SWA, DSA indexers, draft KV; ``register_mem_host_pool_v2``) move
+through the ``_v2`` calls: each pool's page is an object of its own, under a fingerprint that adds the pool's name
+and the bytes of its page pieces, so a pool's objects never stand in for another's. Every pool is sharded by TP rank
+as its KV is, except that Mamba states and MHA-shaped pools of an MLA model stay rank-sharded (as SGLang backs them
+up on every rank). ``batch_exists_v2`` applies the ``all_pages`` and ``trailing_pages`` hit policies;
+``block_groups`` is refused (ValueError), as SGLang's Mooncake backend refuses it.
 
 Failure policy: bad arguments raise (ValueError / TypeError naming the value); a Store that fails, times out or
 is closed makes a call answer "not stored" / "not found" (counted, logged), never an exception into SGLang's
@@ -40,10 +46,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
 from kvtier.identity import Shard, layout_fields
@@ -120,9 +136,13 @@ def settings_of(extra_config: Mapping[str, Any] | None) -> CacheSettings:
     return settings
 
 
-def storage_identity(config: HiCacheStorageConfig, pool: Any, model_version: str) -> dict[str, str]:
-    """The fingerprint fields of the pages a SGLang rank stores: model, shard, and the page's bytes as the host
-    pool lays them out (``pool.get_page_buffer_meta`` of one page)."""
+def storage_identity(
+    config: HiCacheStorageConfig, pool: Any, model_version: str, pool_name: str = PoolName.KV.value
+) -> dict[str, str]:
+    """The fingerprint fields of the pages a SGLang rank stores from one host pool: model, shard, and the page's
+    bytes as the pool lays them out (``pool.get_page_buffer_meta`` of one page). ``pool_name`` is SGLang's name of
+    the pool (``PoolName``): the KV pool's fields are those of the ``_v1`` calls; another pool's add its name and the
+    bytes of each page piece."""
     if config.should_split_heads:
         raise ValueError("kvtier's SGLang backend does not split heads across TP sizes (tp_lcm_size); unset it")
     if config.dcp_size > 1:
@@ -130,6 +150,12 @@ def storage_identity(config: HiCacheStorageConfig, pool: Any, model_version: str
             f"kvtier's SGLang backend does not support decode context parallelism, dcp_size={config.dcp_size}"
         )
     _, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size))
+    kv = pool_name == PoolName.KV.value
+    # MLA KV is the same on every TP rank (one writer rank stores it); Mamba states and MHA-shaped pools (K and V
+    # buffers of their own heads) are each rank's own even in an MLA model.
+    replicated = bool(config.is_mla_model) and (
+        kv or (pool_name != PoolName.MAMBA.value and not hasattr(pool, "v_buffer"))
+    )
     shard = Shard(
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
@@ -137,24 +163,86 @@ def storage_identity(config: HiCacheStorageConfig, pool: Any, model_version: str
         pp_size=config.pp_size,
         cp_rank=config.attn_cp_rank,
         cp_size=config.attn_cp_size,
-        kv_replicated=bool(config.is_mla_model),
+        kv_replicated=replicated,
     )
+    model_fields = {
+        "name": "sglang",
+        "model_name": config.model_name or "",
+        "dtype": str(getattr(pool, "dtype", "")),
+        "pieces": len(sizes),
+    }
+    if not kv:
+        model_fields.update(pool=pool_name, piece_bytes=",".join(str(int(n)) for n in sizes))
     return layout_fields(
         page_bytes=sum(sizes),
         state_bytes=0,
         block_size=pool.page_size,
-        layout=f"sglang.{pool.layout}",
+        layout=f"sglang.{getattr(pool, 'layout', '')}",
         hash_kind="sglang.page_hash",
         key_id="sglang",
         shard=shard,
-        model_fields={
-            "name": "sglang",
-            "model_name": config.model_name or "",
-            "dtype": str(getattr(pool, "dtype", "")),
-            "pieces": len(sizes),
-        },
+        model_fields=model_fields,
         model_version=model_version,
     )
+
+
+def pool_name_of(name: Any) -> str:
+    """SGLang's pool name (a ``PoolName`` or its value) as a plain string."""
+    value = name.value if isinstance(name, Enum) else name
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"a pool name must be a PoolName or a non-empty string, got {name!r}")
+    return value
+
+
+def pool_buffers(pool: Any) -> list[torch.Tensor]:
+    """The CPU tensors of a SGLang host pool that its pages lie in (what SGLang's Mooncake backend registers)."""
+    get = getattr(pool, "get_hybrid_pool_buffer", None)
+    buffers = get() if get is not None else [getattr(pool, "kv_buffer", None)]
+    out = [b for b in buffers if b is not None and (not isinstance(b, torch.Tensor) or b.numel() > 0)]
+    if not out or any(not isinstance(b, torch.Tensor) or b.device.type != "cpu" for b in out):
+        raise ValueError(f"kvtier's SGLang backend needs a host pool of CPU tensors, got {type(pool).__name__}")
+    return out
+
+
+def byte_ranges(buffers: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """The memory of the tensors as disjoint ``(start, end)`` ranges (overlapping or touching ones merged)."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers)
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _inside(ranges: Sequence[tuple[int, int]], ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether every piece lies inside one of the ranges."""
+    if len(ranges) == 1:
+        ((start, end),) = ranges
+        return min(ptrs) >= start and max(p + n for p, n in zip(ptrs, sizes, strict=True)) <= end
+    return all(any(s <= p and p + n <= e for s, e in ranges) for p, n in zip(ptrs, sizes, strict=True))
+
+
+def _hit_policy(transfer: PoolTransfer) -> PoolHitPolicy:
+    try:
+        policy = PoolHitPolicy(transfer.hit_policy)
+    except ValueError:
+        policy = None
+    if policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+        raise ValueError(
+            f"hit policy {transfer.hit_policy!r} of pool {transfer.name!r} is not supported (all_pages, trailing_pages)"
+        )
+    return policy
+
+
+@dataclass
+class HostPool:
+    """A registered SGLang host pool: its object format and the memory its pages must lie in."""
+
+    pool: Any
+    fmt: ObjectFormat
+    ranges: list[tuple[int, int]]
 
 
 def _check_keys(keys: Sequence[str]) -> None:
@@ -207,9 +295,8 @@ class KvtierStore(HiCacheStorage):
         self.settings = settings_of(storage_config.extra_config)
         s = self.settings
         self.zero_copy = bool(s.l3_zero_copy)
-        self._format: ObjectFormat | None = None
-        self._pool: Any = None
-        self._pool_range = (0, 0)
+        # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
+        self._pools: dict[str, HostPool] = {}
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         # One set of header slots and one staging buffer per direction: SGLang's backup and prefetch threads run
@@ -235,73 +322,106 @@ class KvtierStore(HiCacheStorage):
     # Identity and the host pool
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The host pool pages move from and into: the objects' identity is fixed here (its layout and page bytes)
-        and, zero-copy, its memory is registered with the Store."""
+        """The host pool KV pages move from and into: the objects' identity is fixed here (its layout and page
+        bytes) and, zero-copy, its memory is registered with the Store."""
         kv = getattr(mem_pool_host, "kv_buffer", None)
         if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
             raise ValueError(
                 f"kvtier's SGLang backend needs a host pool with a CPU kv_buffer, got {type(mem_pool_host).__name__}"
             )
-        fields = storage_identity(self.storage_config, mem_pool_host, self.settings.model_version)
+        if PoolName.KV.value in self._pools:
+            raise ValueError("kvtier's SGLang backend has a KV host pool already")
+        self._add_pool(PoolName.KV.value, mem_pool_host, [kv])
+        super().register_mem_pool_host(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """One of a hybrid model's host pools, by SGLang's name (``PoolName``): its pages move through the ``_v2``
+        calls as objects of their own. The KV pool is the one ``register_mem_pool_host`` took."""
+        name = pool_name_of(host_pool_name)
+        if name == PoolName.KV.value:
+            kv = self._pools.get(name)
+            if kv is None:
+                self.register_mem_pool_host(host_pool)
+            elif host_pool is not kv.pool:
+                raise ValueError("the KV pool of register_mem_host_pool_v2 is not the one register_mem_pool_host took")
+            return
+        if name in self._pools:
+            raise ValueError(f"host pool {name!r} is registered already")
+        self._add_pool(name, host_pool, pool_buffers(host_pool))
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _add_pool(self, name: str, pool: Any, buffers: Sequence[torch.Tensor]) -> None:
+        fields = storage_identity(self.storage_config, pool, self.settings.model_version, name)
         largest = L3_HEADER_BYTES + int(fields["page_bytes"])
         if largest > self.settings.l3_staging_bytes:
             raise ValueError(
-                f"l3_staging_bytes must hold one page object ({largest} bytes), got {self.settings.l3_staging_bytes}"
+                f"l3_staging_bytes must hold one page object of host pool {name!r} ({largest} bytes), got "
+                f"{self.settings.l3_staging_bytes}"
             )
-        super().register_mem_pool_host(mem_pool_host)
-        base = kv.data_ptr()
-        self._pool_range = (base, base + kv.numel() * kv.element_size())
+        ranges = byte_ranges(buffers)
         if self.zero_copy:
-            self._register(base, kv.numel() * kv.element_size())
-        self._pool = mem_pool_host
-        self._format = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
+            for start, end in ranges:
+                self._register(start, end - start)
+        fmt = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
+        self._pools[name] = HostPool(pool, fmt, ranges)
         log.info(
-            "kvtier SGLang backend: fingerprint %s, %s, %d bytes a page",
-            self.fingerprint,
+            "kvtier SGLang backend: host pool %s, fingerprint %s, %s, %d bytes a page",
+            name,
+            fmt.fingerprint,
             "zero-copy" if self.zero_copy else "staged",
             int(fields["page_bytes"]),
         )
 
+    def _host_pool(self, name: Any = PoolName.KV) -> HostPool:
+        key = pool_name_of(name)
+        pool = self._pools.get(key)
+        if pool is None:
+            if key == PoolName.KV.value:
+                raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
+            raise ValueError(
+                f"host pool {key!r} is not registered (register_mem_host_pool_v2); have {list(self._pools)}"
+            )
+        return pool
+
     @property
     def fingerprint(self) -> str:
+        """The fingerprint of the KV pool's objects."""
         return self._fmt().fingerprint
 
     def _fmt(self) -> ObjectFormat:
-        if self._format is None:
-            raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
-        return self._format
+        return self._host_pool().fmt
 
-    def store_keys(self, keys: Sequence[str]) -> list[str]:
-        """The Store key of each SGLang page hash."""
+    def store_keys(self, keys: Sequence[str], pool: Any = PoolName.KV) -> list[str]:
+        """The Store key of each SGLang page hash in a host pool (SGLang's ``PoolName``, the KV pool unless
+        given)."""
         _check_keys(keys)
-        fmt = self._fmt()
+        fmt = self._host_pool(pool).fmt
         return fmt.store_keys(fmt.keys(list(keys)))
 
-    def _page_pieces(self, keys: Sequence[str], host_indices: Any) -> Pieces:
-        """Each page's ``(address, bytes)`` pieces in the host pool, checked to lie inside it."""
+    def _page_pieces(self, keys: Sequence[str], host_indices: Any, pool: HostPool | None = None) -> Pieces:
+        """Each page's ``(address, bytes)`` pieces in a host pool (the KV pool unless given), checked to lie inside
+        its memory."""
         _check_keys(keys)
-        pool = self._pool
-        if pool is None:
-            raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
+        pool = pool or self._host_pool()
+        host = pool.pool
         if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
             raise TypeError(f"host_indices must be a 1-D tensor, got {host_indices!r:.80}")
-        if host_indices.numel() != len(keys) * pool.page_size:
+        if host_indices.numel() != len(keys) * host.page_size:
             raise ValueError(
-                f"host_indices must hold {len(keys)} pages of {pool.page_size} tokens, got {host_indices.numel()}"
+                f"host_indices must hold {len(keys)} pages of {host.page_size} tokens, got {host_indices.numel()}"
             )
         if len(keys) == 0:
             return []
         lo, hi = int(host_indices.min()), int(host_indices.max())
-        size = getattr(pool, "size", None)
+        size = getattr(host, "size", None)
         if lo < 0 or (size is not None and hi >= size):
             raise ValueError(f"host_indices must lie in [0, {size}), got {lo}..{hi}")
-        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+        ptrs, sizes = host.get_page_buffer_meta(host_indices)
         per = len(ptrs) // len(keys)
         if per * len(keys) != len(ptrs) or len(sizes) != len(ptrs):
             raise ValueError(f"the host pool gave {len(ptrs)} pieces for {len(keys)} pages")
-        start, end = self._pool_range
-        if min(ptrs) < start or max(p + n for p, n in zip(ptrs, sizes, strict=True)) > end:
-            raise ValueError("the host pool gave page pieces outside its kv_buffer")
+        if not _inside(pool.ranges, ptrs, sizes):
+            raise ValueError("the host pool gave page pieces outside its buffers")
         return [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
 
     # Moving objects
@@ -331,10 +451,9 @@ class KvtierStore(HiCacheStorage):
         log.warning("kvtier SGLang backend: %s; waiting for it before its buffers are reused", e)
         e.pending.exception()
 
-    def _put(self, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+    def _put(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
         """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
         present."""
-        fmt = self._fmt()
         keys = fmt.keys(list(hashes))
         skeys = fmt.store_keys(keys)
         try:
@@ -382,9 +501,8 @@ class KvtierStore(HiCacheStorage):
             at += sum(s)
         return ptrs, sizes
 
-    def _get(self, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+    def _get(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
         """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
-        fmt = self._fmt()
         keys = fmt.keys(list(hashes))
         skeys = fmt.store_keys(keys)
         ok = [False] * len(keys)
@@ -439,26 +557,89 @@ class KvtierStore(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._put(keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._put(self._fmt(), keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._get(keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._get(self._fmt(), keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of the pages, from the first, the Store has."""
-        skeys = self.store_keys(keys)
+        present = self._present(self._fmt(), keys)
+        return present.index(False) if False in present else len(present)
+
+    def _present(self, fmt: ObjectFormat, hashes: Sequence[str]) -> list[bool]:
+        """Whether the Store has each page's object (none, when the Store fails)."""
+        _check_keys(hashes)
+        skeys = fmt.store_keys(fmt.keys(list(hashes)))
         try:
             codes = self.store.exists_many(skeys)
         except L3Error as e:
             log.warning("kvtier SGLang backend: exists failed: %s", e)
             self._count(store_errors=1)
-            return 0
-        return next((i for i, code in enumerate(codes) if code != 1), len(codes))
+            return [False] * len(skeys)
+        return [code == 1 for code in codes]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    # HiCacheStorage: hybrid models' host pools (the _v2 calls)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The prefixes of ``keys`` that the KV pool and every transfer's pool can restore, by the pool's hit
+        policy: ``all_pages`` needs each page of the prefix, ``trailing_pages`` its last ``len(transfer.keys)``
+        pages (Mamba and SWA states). The longest such prefix is the hit; each pool's own longest is reported."""
+        transfers = list(pool_transfers or [])
+        pools = [self._host_pool(t.name) for t in transfers]
+        policies = [_hit_policy(t) for t in transfers]
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t, pool, policy in zip(transfers, pools, policies, strict=True):
+            if not restorable:
+                break
+            present = self._present(pool.fmt, keys[:kv_pages])
+            if policy is PoolHitPolicy.ALL_PAGES:
+                last = present.index(False) if False in present else kv_pages
+                ok = set(range(1, last + 1))
+            else:
+                window, run, ok = max(1, len(t.keys or ())), 0, set()
+                for pages, here in enumerate(present, 1):
+                    run = run + 1 if here else 0
+                    if run >= min(window, pages):
+                        ok.add(pages)
+            if ok:
+                hits[t.name] = max(ok)
+            restorable = [p for p in restorable if p in ok]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        """Each transfer's pages from the Store into its pool at its host indices: per pool, True for each page
+        found and verified."""
+        return self._move_v2(transfers, put=False)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        """Each transfer's pages from its pool into the Store: per pool, True for each page stored or present."""
+        return self._move_v2(transfers, put=True)
+
+    def _move_v2(self, transfers: list[PoolTransfer], put: bool) -> dict[Any, list[bool]]:
+        # Every transfer is checked before any page moves.
+        plans = []
+        for t in transfers:
+            pool = self._host_pool(t.name)
+            plans.append((t.name, pool.fmt, t.keys, self._page_pieces(t.keys, t.host_indices, pool)))
+        move = self._put if put else self._get
+        return {name: move(fmt, keys, pieces, not self.zero_copy) for name, fmt, keys, pieces in plans}
 
     # HiCacheStorage: the deprecated calls with tensors or raw pointers (always through the staging buffers)
 
@@ -476,9 +657,11 @@ class KvtierStore(HiCacheStorage):
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError(f"need one target location per key, got {target_locations!r:.80}")
         if all(isinstance(t, torch.Tensor) for t in target_locations):
-            ok = self._get(keys, _tensor_pieces(target_locations, "target_locations"), staged=True)
+            ok = self._get(self._fmt(), keys, _tensor_pieces(target_locations, "target_locations"), staged=True)
             return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
-        ok = self._get(keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True)
+        ok = self._get(
+            self._fmt(), keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True
+        )
         return next((i for i, hit in enumerate(ok) if not hit), len(ok))
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -499,7 +682,7 @@ class KvtierStore(HiCacheStorage):
             raise ValueError("batch_set needs values or target_locations")
         if len(pieces) != len(keys):
             raise ValueError(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
-        return bool(keys) and all(self._put(keys, pieces, staged=True))
+        return bool(keys) and all(self._put(self._fmt(), keys, pieces, staged=True))
 
     # Statistics and shutdown
 
