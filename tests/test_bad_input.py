@@ -10,9 +10,9 @@ import torch
 import kvtier
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
-from kvtier.engine import Engine, EngineConfig
 from kvtier.settings import machine_memory
-from kvtier.workload import Conversations
+from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=2, turns=2, system_tokens=48, user_tokens=20, answer_tokens=3, seed=5)
 NOOP = "no-op"

@@ -10,8 +10,8 @@ import torch
 
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
-from kvtier.engine import Engine, EngineConfig
-from kvtier.workload import Conversations
+from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=3, turns=3, system_tokens=64, user_tokens=20, answer_tokens=4, seed=1)
 

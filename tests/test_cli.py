@@ -16,8 +16,8 @@ import torch
 
 import kvtier
 from conftest import needs_mooncake
-from kvtier.cli import main
 from kvtier.settings import REGISTRY, SECRET, TEXT
+from kvtier.tools.cli import main
 
 # A demo that runs in seconds: 3 conversations x 3 turns of the tiny model.
 TINY = [
@@ -236,7 +236,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: str | Non
     if pythonpath:
         full["PYTHONPATH"] = pythonpath + os.pathsep + full.get("PYTHONPATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, env=full, timeout=120
+        [sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, env=full, timeout=120
     )
 
 
@@ -378,3 +378,11 @@ def test_build_info_names_the_nvcc_by_version_and_source():
         return
     assert re.fullmatch(r"\d+\.\d+(\.\d+)?", info["nvcc"]), info
     assert info["nvcc_source"] in ("NVCC", "CUDA_HOME", "nvidia-cuda-nvcc wheel", "PATH"), info
+
+
+def test_the_library_imports_none_of_the_tools() -> None:
+    library = "kvtier, kvtier.cache, kvtier.copy, kvtier.hostmem, kvtier.settings, kvtier.metrics, kvtier.events"
+    code = f"import sys, {library}, kvtier.identity, kvtier.l3, kvtier.deepinfer\n" + (
+        "assert not [m for m in sys.modules if m.startswith('kvtier.tools')], sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

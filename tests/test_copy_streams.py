@@ -16,9 +16,9 @@ import torch
 
 from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array, layer_views
 from kvtier.deepinfer import Cache
-from kvtier.engine import Engine, EngineConfig
 from kvtier.settings import CacheSettings
-from kvtier.workload import Conversations
+from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=4, turns=3, system_tokens=128, user_tokens=24, answer_tokens=6, seed=3)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

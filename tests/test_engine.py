@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvtier.engine import Engine, EngineConfig, Sequence
+from kvtier.tools.engine import Engine, EngineConfig, Sequence
 
 TINY = EngineConfig.preset("tiny", num_gpu_blocks=32, num_state_rings=4, chunk_size=32)
 

@@ -19,9 +19,9 @@ import kvtier
 from conftest import needs_mooncake
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
-from kvtier.engine import Engine, EngineConfig
 from kvtier.identity import engine_settings, model_identity, weights_identity
-from kvtier.workload import Conversations
+from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.workload import Conversations
 
 BS = 16
 PAGE = 1024

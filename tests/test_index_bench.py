@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 KEYS = (
     "tokens",

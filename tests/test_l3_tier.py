@@ -24,12 +24,12 @@ needs_mooncake()
 from kvtier._core import L3_HEADER_BYTES  # noqa: E402
 from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
-from kvtier.engine import Engine, EngineConfig  # noqa: E402
 from kvtier.identity import Shard  # noqa: E402
 from kvtier.l3 import MooncakeStore, StoreConfig  # noqa: E402
 from kvtier.l3.server import LocalMooncake  # noqa: E402
 from kvtier.l3.store import StoreWrapper  # noqa: E402
-from kvtier.workload import Conversations  # noqa: E402
+from kvtier.tools.engine import Engine, EngineConfig  # noqa: E402
+from kvtier.tools.workload import Conversations  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
 
@@ -132,8 +132,8 @@ def test_without_l3_nothing_of_mooncake_is_imported():
     code = textwrap.dedent("""
         import sys
         from kvtier.deepinfer import Cache
-        from kvtier.engine import Engine, EngineConfig
-        from kvtier.workload import Conversations
+        from kvtier.tools.engine import Engine, EngineConfig
+        from kvtier.tools.workload import Conversations
         e = Engine(EngineConfig.preset("tiny", num_gpu_blocks=64, chunk_size=32, max_batch=3))
         e.cache = Cache(e, size_bytes=4 << 20, num_state_slots=16, preallocate=True)
         Conversations(2, 2, 48, 16, 2).run(e)

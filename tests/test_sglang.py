@@ -26,9 +26,9 @@ pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory", reason="SGLa
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
 
 from kvtier._core import L3_FORMAT_VERSION  # noqa: E402
-from kvtier.bench.sglang import build, host_pool, page_bytes_of, sglang_mooncake_config, storage_config  # noqa: E402
 from kvtier.l3.store import import_mooncake  # noqa: E402
 from kvtier.sglang import KvtierStore  # noqa: E402
+from kvtier.tools.bench.sglang import build, host_pool, page_bytes_of, sglang_mooncake_config, storage_config  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
 
@@ -439,5 +439,7 @@ def test_the_deprecated_tensor_calls_round_trip(mooncake_server: Any, closing: l
 
 
 def test_kvtier_imports_without_sglang() -> None:
-    code = "import sys, kvtier, kvtier.l3, kvtier.cli; assert not [m for m in sys.modules if m.startswith('sglang')]"
+    code = (
+        "import sys, kvtier, kvtier.l3, kvtier.tools.cli\nassert not [m for m in sys.modules if m.startswith('sglang')]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from conftest import needs_mooncake
-from kvtier.soak import soak
+from kvtier.tools.soak import soak
 
 
 def rounds(default: int) -> int:

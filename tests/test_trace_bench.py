@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.bench.trace import Request, block_size_of, replay, synthetic
-from kvtier.cli import main
 from kvtier.pyindex import PyIndex
+from kvtier.tools.bench.trace import Request, block_size_of, replay, synthetic
+from kvtier.tools.cli import main
 
 SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
 

@@ -22,7 +22,7 @@ LAYOUTS = ("layer-first", "page-first")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser
 
     def lengths(text: str) -> list[int]:
         return [at_least(64)(t) for t in text.split(",")]

@@ -183,7 +183,7 @@ def copies(blocks: int = 256) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import parser, positive
+    from kvtier.tools.cli import parser, positive
 
     ap = parser("kvtier bench vllm", __doc__)
     ap.add_argument("--keys", type=positive(int), default=2048, help="keys stored, looked up and replaced")

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from kvtier.engine import EngineConfig
     from kvtier.settings import CacheSettings
+    from kvtier.tools.engine import EngineConfig
 
 BENCHMARKS = {
     "index": "the Rust index against plain-Python bookkeeping on one trace",
@@ -33,11 +33,11 @@ BENCHMARKS = {
     "trace": "token hit rate of each eviction policy on a request trace (Mooncake format), by pool size",
     "loop": "host time of each engine-loop call (store, poll, resume) at an 8B model's geometry (needs CUDA)",
 }
-# Each command's module (its main(argv) runs it); `kvtier bench <name>` is kvtier.bench.<name>.
+# Each command's module (its main(argv) runs it); `kvtier bench <name>` is kvtier.tools.bench.<name>.
 COMMANDS = {
-    "demo": "kvtier.demo",
-    "soak": "kvtier.soak",
-    **{f"bench {name}": f"kvtier.bench.{name}" for name in BENCHMARKS},
+    "demo": "kvtier.tools.demo",
+    "soak": "kvtier.tools.soak",
+    **{f"bench {name}": f"kvtier.tools.bench.{name}" for name in BENCHMARKS},
 }
 BENCH_USAGE = (
     "usage: kvtier bench <benchmark> [options]\n\nbenchmarks:\n"
@@ -169,7 +169,7 @@ def cache_settings(
 def engine_config(ap: argparse.ArgumentParser, model: str, **fields: Any) -> EngineConfig:
     """The reference engine's config of a model preset (its device, dtype, pool... from the arguments); a bad one
     ends the command in one line (exit status 2) before any work."""
-    from kvtier.engine import EngineConfig
+    from kvtier.tools.engine import EngineConfig
 
     try:
         return EngineConfig.preset(model, **fields)

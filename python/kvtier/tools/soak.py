@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.deepinfer import Cache
-from kvtier.engine import Engine, EngineConfig
 from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
-from kvtier.workload import Conversations
+from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.workload import Conversations
 
 # Resident memory may grow this much after the warm-up round: torch's and the allocator's working set. Every
 # round closes its pools, so more is a leak until shown otherwise.
@@ -261,7 +261,7 @@ def soak(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import L3_EXTRA, at_least, between, cache_settings, engine_config, parser, positive
+    from kvtier.tools.cli import L3_EXTRA, at_least, between, cache_settings, engine_config, parser, positive
 
     ap = parser("kvtier soak", __doc__)
     ap.add_argument("--seconds", type=positive(), default=30.0, help="time budget (rounds run until it is spent)")

@@ -280,7 +280,7 @@ def plot(out: dict[str, Any], path: str, name: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser
 
     ap = parser("kvtier bench trace", __doc__.splitlines()[0])
     ap.add_argument("trace", nargs="?", help="a Mooncake-format trace (.jsonl); or --synthetic")

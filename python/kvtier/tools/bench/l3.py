@@ -30,7 +30,7 @@ import numpy as np
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser
 
     ap = parser("kvtier bench l3", __doc__)
     ap.add_argument("--master", help="host:port of a running Mooncake master (default: start one on loopback)")
@@ -58,9 +58,9 @@ MASTER_TIMEOUT_S = 2.0
 def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """What would fail later, before any work (one line, exit status 2): the settings of the caches (the KVTIER_*
     variables included), Mooncake, and a --master that is no host:port or accepts no connection."""
-    from kvtier.cli import L3_EXTRA, cache_settings
     from kvtier.l3.server import port_open
     from kvtier.l3.store import StoreConfig, import_mooncake
+    from kvtier.tools.cli import L3_EXTRA, cache_settings
 
     pages = a.groups * a.group_pages
     master = a.master or "127.0.0.1:1"  # a placeholder until the local master runs
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for r in range(args.rounds):
                 prompt = rng.integers(0, 30000, size=pages * bs + 1, dtype=np.int32)
-                keys = [f"kvtier/bench/{run_id}/raw/{r}/{i}" for i in range(n)]
+                keys = [f"kvtier/tools/bench/{run_id}/raw/{r}/{i}" for i in range(n)]
 
                 def tier_put() -> None:
                     # The store's copies complete in poll(), which submits the write-behind put.
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loop_call.append(t1 - t0)
                 reader.forget(f"m{r}")
                 t0 = time.perf_counter()
-                raw.exists_many([f"kvtier/bench/{run_id}/none/{r}/{i}" for i in range(n)])
+                raw.exists_many([f"kvtier/tools/bench/{run_id}/none/{r}/{i}" for i in range(n)])
                 miss_raw.append(time.perf_counter() - t0)
             ws, rs = writer.stats(), reader.stats()
             if ws["l3_puts_failed"] or rs["l3_gets_failed"] or rs["l3_pages_loaded"] != pages * args.rounds:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.engine import Engine
+from kvtier.tools.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli import at_least, cache_settings, engine_config, parser, positive
+    from kvtier.tools.cli import at_least, cache_settings, engine_config, parser, positive
 
     ap = parser("kvtier bench pin", __doc__)
     ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
@@ -57,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine
-    from kvtier.workload import Conversations
+    from kvtier.tools.engine import Engine
+    from kvtier.tools.workload import Conversations
 
     engine = Engine(cfg)
     cache = Cache(engine, size_bytes=host_bytes, num_state_slots=state_slots, pin_step_bytes=a.pin_step_mib << 20)

@@ -10,7 +10,7 @@ contiguous piece) and reports GB/s (1e9 bytes/s) next to a ``copy_`` of one pinn
 Cost: a bf16 8192^3 GEMM loop's TFLOP/s alone and while pages stream at full rate in one direction, per method,
 kernel grid and page size, with the copy rate reached meanwhile.
 
-Run: ``kvtier bench copy [--json] [--plot FILE.png]`` or ``python -m kvtier.bench.copy``.
+Run: ``kvtier bench copy [--json] [--plot FILE.png]`` or ``python -m kvtier.tools.bench.copy``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser, plot_file
+    from kvtier.tools.cli import at_least, parser, plot_file
 
     ap = parser("kvtier bench copy", __doc__)
     ap.add_argument(

@@ -163,7 +163,7 @@ def trace_case(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser
 
     ap = parser("kvtier bench index", __doc__)
     ap.add_argument("--tokens", type=at_least(1), default=131_072, help="prompt length of the long-prompt case")

@@ -94,7 +94,7 @@ def start(args: argparse.Namespace, label: str, cache_on: bool, l3_master: str |
     import torch
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine
+    from kvtier.tools.engine import Engine
 
     torch.manual_seed(args.seed)
     engine = Engine(engine_config(args))
@@ -114,7 +114,7 @@ def cache_args(l3_master: str | None) -> dict[str, Any]:
 
 
 def workload(args: argparse.Namespace) -> Any:
-    from kvtier.workload import Conversations
+    from kvtier.tools.workload import Conversations
 
     return Conversations(
         args.conversations, args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.seed
@@ -124,7 +124,7 @@ def workload(args: argparse.Namespace) -> Any:
 def warm_up(args: argparse.Namespace) -> None:
     """A request of a prefill chunk and two tokens (no longer than the workload's) through a throwaway engine, so
     that neither side's first turn pays for torch's first calls."""
-    from kvtier.engine import Engine
+    from kvtier.tools.engine import Engine
 
     cfg = engine_config(args)
     n = max(1, min(args.chunk_size + 1, workload(args).max_tokens - 2))
@@ -351,8 +351,8 @@ def plot(r: dict[str, Any], path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvtier.cli import at_least, plot_file
-    from kvtier.cli import parser as make_parser
+    from kvtier.tools.cli import at_least, plot_file
+    from kvtier.tools.cli import parser as make_parser
 
     ap = make_parser("kvtier demo", __doc__)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -387,8 +387,8 @@ def parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> Any:
     """The engine of the demo's arguments (``ap``: a bad one ends the command in one line)."""
-    from kvtier.cli import engine_config as checked
-    from kvtier.engine import EngineConfig
+    from kvtier.tools.cli import engine_config as checked
+    from kvtier.tools.engine import EngineConfig
 
     fields = dict(
         device=args.device,
@@ -407,7 +407,7 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything that would fail later, checked before the first request (one line, exit status 2): the engine,
     the workload against its pool, the cache's settings (the KVTIER_* variables included) against this machine,
     and Mooncake for --l3."""
-    from kvtier.cli import L3_EXTRA, cache_settings
+    from kvtier.tools.cli import L3_EXTRA, cache_settings
 
     cfg = engine_config(args, ap)
     longest = workload(args).max_tokens

@@ -139,7 +139,7 @@ def page_bytes_of(pool: Any, index: int) -> Any:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser
 
     ap = parser("kvtier bench sglang", __doc__)
     ap.add_argument("--pages", type=at_least(1), default=64, help="pages a batch_set_v1 / batch_get_v1 call moves")

@@ -15,7 +15,7 @@
    (``resume``, a miss, which hashes the prompt's chain; timed apart, as ``admission_ms``), so the store call
    costs what it costs the engine at the end of a prefill.
 
-Run: ``kvtier bench overlap [--json]`` or ``python -m kvtier.bench.overlap``.
+Run: ``kvtier bench overlap [--json]`` or ``python -m kvtier.tools.bench.overlap``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ LAYOUTS = ("layer-first", "page-first")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.cli import at_least, parser
-    from kvtier.engine.config import PRESETS
+    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.engine.config import PRESETS
 
     ap = parser("kvtier bench overlap", __doc__)
     ap.add_argument("--model", default="medium", choices=sorted(PRESETS), help="reference engine preset")
@@ -133,7 +133,7 @@ def _settle(cache: Any) -> None:
 
 def _config(args: argparse.Namespace, layout: str, *, num_gpu_blocks: int, chunk_size: int, max_batch: int) -> Any:
     """The reference engine's config of a run: the chosen model in bfloat16, one state ring a sequence (+1)."""
-    from kvtier.engine import EngineConfig
+    from kvtier.tools.engine import EngineConfig
 
     return EngineConfig.preset(
         args.model,
@@ -153,7 +153,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
 
     from kvtier.copy import HostPool, PageCopier
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine
+    from kvtier.tools.engine import Engine
 
     bs = BLOCK_SIZE
     pre, suf = args.prefix_tokens, args.suffix_tokens
@@ -252,8 +252,8 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     import torch
 
     from kvtier.deepinfer import Cache
-    from kvtier.engine import Engine
-    from kvtier.engine.sequence import Sequence as Seq
+    from kvtier.tools.engine import Engine
+    from kvtier.tools.engine.sequence import Sequence as Seq
 
     bs = BLOCK_SIZE
     pre = args.prefix_tokens
