@@ -9,34 +9,35 @@ blocks call ``release(blocks)`` or ``forget`` first, and with ``layerwise_loads`
 layer l reads its KV. The host pools are pinned off the engine loop (``kvtier.hostmem``); the L3 tier is
 ``kvtier.l3.tier``.
 
-Failure policy (docs/INTEGRATION.md): a caller's bad argument raises to the caller (``OverflowError``,
-``TypeError``, ``ValueError``, checked before anything is planned or copied) and counts nothing. Any other
-exception inside a call (a failed launch, an engine callback that raised) is kvtier's failure: it is logged and
-counted in ``stats()["errors"]``, the request continues uncached, and after ``max_errors`` of them the cache
-disables itself (``stats()["disabled"]``). A hit whose pages left the host pool before its load began is a miss
-(``stats()["stale_lookups"]``), not a failure.
+The pieces: ``kvtier.geometry`` checks the engine's pool and model, ``kvtier.hostmem`` pins the host pools,
+``kvtier.copy`` wraps the copiers, ``kvtier.failures`` holds the failure policy (docs/INTEGRATION.md): a caller's
+bad argument raises to the caller and counts nothing; any other exception inside a call is kvtier's failure,
+logged and counted in ``stats()["errors"]``, the request continues uncached, and after ``max_errors`` of them the
+cache disables itself (``stats()["disabled"]``). A hit whose pages left the host pool before its load began is a
+miss (``stats()["stale_lookups"]``), not a failure.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvtier import Index, IndexConfig, KvEvent
+from kvtier import Index, KvEvent
 from kvtier._core import Cache as CoreCache
-from kvtier.copy import HostPool, PageCopier, is_int, layer_views
+from kvtier.copy import HostPool, PageCopier
+from kvtier.failures import CALLER_ERRORS, Failures, guarded
+from kvtier.geometry import Geometry
 from kvtier.hostmem import HostMemory
-from kvtier.settings import CacheSettings, check_fits
+from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier")
 
@@ -53,33 +54,8 @@ def _abandon_in_child() -> None:
 
 os.register_at_fork(after_in_child=_abandon_in_child)
 
-T = TypeVar("T")
 StateFn = Callable[[Any, int, torch.Tensor], None]
 BlockTable = Sequence[int] | np.ndarray | torch.Tensor
-# What a caller's bad argument raises: re-raised to the caller, never counted towards max_errors.
-CALLER_ERRORS = (OverflowError, TypeError, ValueError)
-
-
-def _guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Runs an engine-loop call under the failure policy: a caller's bad argument raises and counts nothing; any
-    other error is kvtier's failure, logged and counted, never raised."""
-
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(fn)
-        def call(self: HostPrefixCache, *args: Any, **kwargs: Any) -> T:
-            if self.disabled or self.closed:
-                return default
-            try:
-                return fn(self, *args, **kwargs)
-            except CALLER_ERRORS:
-                raise
-            except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
-                self._error(fn.__name__.lstrip("_"), e)
-                return default
-
-        return call
-
-    return wrap
 
 
 def _check_call(request_id: Any, namespace: Any) -> None:
@@ -134,87 +110,39 @@ class HostPrefixCache:
         **settings: Any,
     ) -> None:
         self.settings = s = CacheSettings.resolve(env, **settings)
-        layers = [pages] if isinstance(pages, torch.Tensor) else list(pages)
-        if not layers or not all(isinstance(t, torch.Tensor) for t in layers):
-            raise TypeError("pages must be a uint8 tensor or a non-empty list of uint8 tensors")
-        if any(t.dim() != 2 for t in layers):
-            shapes = [tuple(t.shape) for t in layers]
-            raise ValueError(f"pages must be 2-D [num_blocks, bytes per block], got shapes {shapes}")
-        self.device = layers[0].device
-        self.page_bytes = sum(int(t.shape[1]) for t in layers)
-        if page_layers is not None and len(layers) > 1 and page_layers != len(layers):
-            raise ValueError(
-                f"page_layers={page_layers!r} differs from the {len(layers)} tensors of a layer-first pool"
-            )
-        # A page-first pool that layer-wise loads copy a layer part at a time: its parts, as layer tensors.
-        parts = None if page_layers is None or len(layers) > 1 else layer_views(layers[0], page_layers)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= 2**31 - 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.block_size = block_size
-        self.page_slots = s.host_bytes // max(self.page_bytes, 1)
-        if self.page_slots < 1:
-            raise ValueError(f"host_bytes {s.host_bytes} holds no page of {self.page_bytes} bytes")
-        if not is_int(state_bytes) or state_bytes < 0:
-            raise ValueError(f"state_bytes must be an int >= 0, got {state_bytes!r}")
-        self.state_bytes = int(state_bytes)
-        state_slots = s.state_slots
-        if state_slots and self.state_bytes <= 0:
-            raise ValueError(f"state_slots={state_slots} needs state_bytes > 0, got {state_bytes}")
-        if self.state_bytes and not state_slots:
-            # Without state slots a hit would restore pages but not the state the model needs.
-            raise ValueError(f"a model with state (state_bytes={state_bytes}) needs state_slots > 0")
-        if state_slots and (select_state is None or load_state is None):
-            raise ValueError("state_slots > 0 needs both select_state and load_state callbacks")
-        self._select_state, self._load_state = select_state, load_state
-        # Before any allocation: the pools, their bookkeeping and the L3 buffers must fit in this machine.
-        check_fits(s, page_slots=self.page_slots, page_bytes=self.page_bytes, state_bytes=self.state_bytes)
-        if state_slots and self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if s.staging_slots * self.state_bytes > free:
-                raise ValueError(
-                    f"setting staging_slots={s.staging_slots} needs {s.staging_slots * self.state_bytes} bytes of "
-                    f"GPU memory ({self.state_bytes} per state); {self.device} has {free} bytes free"
-                )
-        config = IndexConfig(
-            self.page_slots,
-            state_slots=state_slots,
-            block_size=block_size,
-            keep_tokens=s.keep_tokens,
-            min_hit_tokens=s.min_hit_tokens,
-            state_lookback_blocks=s.state_lookback_blocks,
-            ring_slack=s.ring_slack,
-            hash_kind=s.hash_kind,
-            hash_key=s.hash_key,
-            eviction_policy=s.eviction_policy,
-            event_buffer=s.event_buffer,
+        # Before any allocation: the pool, the model and the host pools they make, checked (and that they fit).
+        self.geometry = g = Geometry.of(
+            pages, s, block_size=block_size, page_layers=page_layers, state_bytes=state_bytes
         )
-        self.index = Index(config, usable_page_slots=0, usable_state_slots=0)
+        if g.state_slots and (select_state is None or load_state is None):
+            raise ValueError("state_slots > 0 needs both select_state and load_state callbacks")
+        self.device, self.block_size, self.page_bytes = g.device, g.block_size, g.page_bytes
+        self.page_slots, self.state_bytes = g.page_slots, g.state_bytes
+        self.index = Index(g.index_config(s), usable_page_slots=0, usable_state_slots=0)
         if s.model_version is not None:
             self.index.set_model_version(s.model_version)
-        self.disabled = False
+        self.failures = Failures(s.max_errors, on_failure=self.index.count_error)
         self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
-        self.errors = 0
-        self._bad_arguments = 0
         self._told_pinning = False
         self._lock = threading.Lock()
         # The host pools are address space only until they grow (at the first store, or now with preallocate).
         self._host = HostMemory(
             self.index,
-            page_slots=self.page_slots,
-            page_bytes=self.page_bytes,
-            state_slots=state_slots,
-            state_bytes=self.state_bytes,
+            page_slots=g.page_slots,
+            page_bytes=g.page_bytes,
+            state_slots=g.state_slots,
+            state_bytes=g.state_bytes,
             step_bytes=s.pin_step_bytes,
-            on_error=self._error,
+            on_error=self.failures.failed,
         )
         # Building the copiers checks the GPU pool (dtype, shapes, alignment, writable memory) before anything is
         # stored; the copiers keep its tensors alive for as long as the core copies between them.
-        self._copiers = [self._copier(pages)]
-        if parts is not None and len(parts) > 1:
-            self._copiers.append(self._copier(parts))
+        self._copiers = [self._copier(list(g.layers) if g.layer_first else g.layers[0])]
+        if g.parts is not None:
+            self._copiers.append(self._copier(list(g.parts)))
         state_copier = staging = None
         if self._host.states is not None:
-            staging = torch.zeros((s.staging_slots, self.state_bytes), dtype=torch.uint8, device=self.device)
+            staging = torch.zeros((s.staging_slots, g.state_bytes), dtype=torch.uint8, device=g.device)
             state_copier = PageCopier(staging, self._host.states)
         self._core = CoreCache(
             self.index,
@@ -231,37 +159,14 @@ class HostPrefixCache:
         # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
         self._l3: Any = None
         if s.l3 == "mooncake":
-            from kvtier.identity import Shard, layout_fields
-            from kvtier.l3.tier import L3Tier
+            from kvtier.l3.tier import L3Tier, cache_fields
 
-            if callable(fingerprint_fields):
-                fingerprint_fields = fingerprint_fields(s)
-            if fingerprint_fields is None and s.model_version is None:
-                raise ValueError(
-                    "l3='mooncake' needs the model's identity: model_version (a revision the deployment vouches "
-                    "for), or fingerprint_fields naming the model (its config and the digest of its weights), or "
-                    "fingerprint_fields={} to say that the page geometry alone decides the bytes"
-                )
-            if shard is not None and not isinstance(shard, Shard):
-                raise TypeError(f"shard must be a kvtier.identity.Shard, got {type(shard).__name__}")
-            layout = "page-first" if isinstance(pages, torch.Tensor) else f"layer-first/{len(layers)}"
-            fields = layout_fields(
-                page_bytes=self.page_bytes,
-                state_bytes=self.state_bytes,
-                block_size=block_size,
-                layout=layout,
-                hash_kind=self.index.hash_kind,
-                key_id=self.index.key_id,
-                shard=shard or Shard(),
-                model_fields=fingerprint_fields or {},
-                model_version=s.model_version,
-            )
             self._l3 = L3Tier(
                 s,
                 index=self.index,
                 page_pool=self._host.pages,
                 state_pool=self._host.states,
-                fingerprint_fields=fields,
+                fingerprint_fields=cache_fields(s, g, self.index, fingerprint_fields, shard),
                 store_factory=l3_store,
             )
         if s.preallocate:
@@ -322,7 +227,7 @@ class HostPrefixCache:
         _check_call(request_id, namespace)
         return self._lookup(prompt_ids, namespace)
 
-    @_guarded(0)
+    @guarded(0)
     def _lookup(self, tokens: Any, namespace: str | bytes | None) -> int:
         return self.index.peek(tokens, namespace=namespace).hit_tokens
 
@@ -354,7 +259,7 @@ class HostPrefixCache:
             raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
         return self._resume(request_id, prompt_ids, allocate, state, namespace)
 
-    @_guarded(0)
+    @guarded(0)
     def _resume(self, request_id, tokens, allocate, state, namespace) -> int:  # type: ignore[no-untyped-def]
         # L3: a request whose fetch runs retries later; a host miss starts the request's one fetch (no GPU blocks).
         l3 = self._l3
@@ -401,7 +306,7 @@ class HostPrefixCache:
                 "state= must be the engine's handle of the sequence's state (this model has state), got None"
             )
 
-    @_guarded(None)
+    @guarded(None)
     def _store(self, request_id, tokens, table, seq_len, state, namespace) -> None:  # type: ignore[no-untyped-def]
         self._copiers[0].check_memory()
         outcome = self._core.store(
@@ -417,7 +322,7 @@ class HostPrefixCache:
                 self.page_slots * self.page_bytes >> 20,
             )
 
-    @_guarded(None)
+    @guarded(None)
     def poll(self) -> None:
         """Retires finished copies: stored entries become ready, loaded ones are released. Never blocks."""
         for ready in self._core.poll():
@@ -451,7 +356,7 @@ class HostPrefixCache:
         except CALLER_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
-            self._error(what, e)
+            self.failures.failed(what, e)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
@@ -467,7 +372,7 @@ class HostPrefixCache:
         except CALLER_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
-            self._error("forget", e)
+            self.failures.failed("forget", e)
 
     def set_model_version(self, version: str) -> None:
         """The engine updated its weights in place (an RL weight sync, a new checkpoint): nothing stored under the
@@ -490,14 +395,14 @@ class HostPrefixCache:
     def stats(self) -> dict[str, Any]:
         """Counters, occupancy, token hit rate, bytes moved, and whether the cache disabled itself."""
         out: dict[str, Any] = dict(self.index.stats())
-        out["disabled"] = self.disabled
+        out["disabled"] = self.failures.disabled
         out["page_bytes"] = self.page_bytes
         out["state_bytes"] = self.state_bytes
         out["bytes_to_host"] = out["pages_stored"] * self.page_bytes + out["states_stored"] * self.state_bytes
         out["bytes_to_gpu"] = out["pages_loaded"] * self.page_bytes + out["states_loaded"] * self.state_bytes
         out["host_bytes_pinned"] = self._host.pinned_bytes()
         out["copies_in_flight"] = self._core.copies_in_flight
-        out["bad_arguments"] = self._bad_arguments
+        out["bad_arguments"] = self.failures.bad_arguments
         if self._l3 is not None:
             out.update(self._l3.stats())
         return out
@@ -514,31 +419,18 @@ class HostPrefixCache:
             log.warning("the L3 store did not stop in time; the host pools are not freed")
         self._host.close(free=free)
 
+    @property
+    def disabled(self) -> bool:
+        """Whether the cache disabled itself (``max_errors`` failures, or ``disable``): it serves and stores
+        nothing more."""
+        return self.failures.disabled
+
     def report_error(self, where: str, e: BaseException) -> None:
         """For adapters that must not raise into their engine: ``e`` was raised by a call at ``where``. A caller's
         bad argument (``OverflowError``, ``TypeError``, ``ValueError``) is logged and counted in
         ``bad_arguments``, never towards ``max_errors``; anything else is kvtier's failure (``errors``)."""
-        if isinstance(e, CALLER_ERRORS):
-            with self._lock:
-                self._bad_arguments += 1
-            log.warning(
-                "%s refused a bad argument (%s: %s); the request continues uncached", where, type(e).__name__, e
-            )
-        else:
-            self._error(where, e)
+        self.failures.report(where, e)
 
     def disable(self, reason: str) -> None:
         """Stops serving and storing for good (logged): what an adapter does when it cannot keep the cache exact."""
-        with self._lock:
-            if not self.disabled:
-                self.disabled = True
-                log.error("the host prefix cache disables itself: %s", reason)
-
-    def _error(self, where: str, e: BaseException) -> None:
-        with self._lock:
-            self.errors += 1
-            self.index.count_error()
-            log.warning("%s failed (%s: %s); the request continues uncached", where, type(e).__name__, e)
-            if self.errors >= self.settings.max_errors and not self.disabled:
-                self.disabled = True
-                log.error("%d errors, the host prefix cache disables itself", self.errors)
+        self.failures.disable(reason)

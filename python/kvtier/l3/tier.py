@@ -41,6 +41,7 @@ from typing import Any
 
 from kvtier import Index, L3Planner, Ready, fingerprint
 from kvtier.copy import HostPool
+from kvtier.geometry import Geometry
 from kvtier.l3.errors import L3Error, L3Timeout, L3Unavailable
 from kvtier.l3.store import OBJECT_NOT_FOUND, Store, StoreConfig
 from kvtier.l3.worker import Backoff, Worker
@@ -148,6 +149,41 @@ def _shutdown(conn: _Connection, workers: tuple[Worker, Worker], keep: tuple[Any
 def _shutdown_dropped(conn: _Connection, workers: tuple[Worker, Worker], keep: tuple[Any, ...]) -> None:
     # The finalizer of a tier dropped without close(): never block the thread that dropped it.
     threading.Thread(target=_shutdown, args=(conn, workers, keep, 8.0), name="kvtier-l3-close", daemon=True).start()
+
+
+def cache_fields(
+    settings: CacheSettings,
+    geometry: Geometry,
+    index: Index,
+    fingerprint_fields: Mapping[str, str] | Callable[[CacheSettings], Mapping[str, str]] | None,
+    shard: Any,
+) -> dict[str, str]:
+    """The fingerprint fields of a host prefix cache's objects: the pool's geometry, the index's hashing, the shard
+    (``kvtier.identity.Shard``, default rank 0 of 1) and what names the model (``fingerprint_fields``, or a callable
+    of the settings that makes them, and the ``model_version`` setting: one of them is required)."""
+    from kvtier.identity import Shard, layout_fields
+
+    if callable(fingerprint_fields):
+        fingerprint_fields = fingerprint_fields(settings)
+    if fingerprint_fields is None and settings.model_version is None:
+        raise ValueError(
+            "l3='mooncake' needs the model's identity: model_version (a revision the deployment vouches "
+            "for), or fingerprint_fields naming the model (its config and the digest of its weights), or "
+            "fingerprint_fields={} to say that the page geometry alone decides the bytes"
+        )
+    if shard is not None and not isinstance(shard, Shard):
+        raise TypeError(f"shard must be a kvtier.identity.Shard, got {type(shard).__name__}")
+    return layout_fields(
+        page_bytes=geometry.page_bytes,
+        state_bytes=geometry.state_bytes,
+        block_size=geometry.block_size,
+        layout=geometry.layout,
+        hash_kind=index.hash_kind,
+        key_id=index.key_id,
+        shard=shard or Shard(),
+        model_fields=fingerprint_fields or {},
+        model_version=settings.model_version,
+    )
 
 
 class L3Tier:
