@@ -113,6 +113,40 @@ fn eviction_full_pool(c: &mut Criterion) {
     g.finish();
 }
 
+/// vLLM's offloading manager on engine keys (36 bytes: a block hash and its group): a store of 2048 new keys into
+/// a full pool of 2048 (every stored key evicted), then its completion; and the keys' hashing alone.
+fn engine_keys(c: &mut Criterion) {
+    let keys = |seed: u32| -> Vec<Vec<u8>> {
+        (0..PAGES as u32)
+            .map(|i| (0..36u32).map(|j| (i.wrapping_mul(2_654_435_761) ^ (seed + j)) as u8).collect())
+            .collect()
+    };
+    let (a, b2) = (keys(1), keys(2));
+    let mut g = c.benchmark_group("engine_keys");
+    g.throughput(Throughput::Elements(PAGES as u64));
+    g.bench_function("store_2048_evicting_2048", |b| {
+        b.iter_batched(
+            || {
+                let mut ix = Index::new(config(PAGES as u32, Policy::Lru), PAGES as u32, 0).unwrap();
+                let p = ix.store_keys(&a).unwrap().unwrap();
+                ix.complete(p.ticket).unwrap();
+                ix
+            },
+            |mut ix| {
+                let p = ix.store_keys(black_box(&b2)).unwrap().unwrap();
+                ix.complete(p.ticket).unwrap();
+                ix
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    let ix = Index::new(config(PAGES as u32, Policy::Lru), PAGES as u32, 0).unwrap();
+    g.bench_function("hash_2048", |b| {
+        b.iter(|| b2.iter().map(|k| ix.engine_key(k).unwrap()).fold(0u128, |x, k| x ^ k))
+    });
+    g.finish();
+}
+
 fn seen_set(c: &mut Criterion) {
     let mut g = c.benchmark_group("seen_set");
     g.throughput(Throughput::Elements(1));
@@ -128,5 +162,5 @@ fn seen_set(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, chain_extend, lookup_walk, store_planning, eviction_full_pool, seen_set);
+criterion_group!(benches, chain_extend, lookup_walk, store_planning, eviction_full_pool, engine_keys, seen_set);
 criterion_main!(benches);

@@ -49,6 +49,26 @@ impl HashKind {
     }
 }
 
+/// Pool keys of engine keys under one model version (`BlockHasher::engine_keys`): keyed BLAKE3, or xxh3-128
+/// with a secret of its own under the xxh3 hash kind.
+#[derive(Clone, Debug)]
+pub enum EngineKeys {
+    Blake3([u8; 32]),
+    Xxh3(Box<[u8; 192]>),
+}
+
+impl EngineKeys {
+    /// The pool key of one engine key (one BLAKE3 compression for a key of up to 64 bytes).
+    pub fn key(&self, key: &[u8]) -> Key {
+        match self {
+            Self::Blake3(k) => {
+                u128::from_le_bytes(blake3::keyed_hash(k, key).as_bytes()[..16].try_into().expect("16 bytes"))
+            }
+            Self::Xxh3(secret) => xxhash_rust::xxh3::xxh3_128_with_secret(key, &secret[..]),
+        }
+    }
+}
+
 /// Hashes blocks with one kind and one deployment key.
 #[derive(Clone, Debug)]
 pub struct BlockHasher {
@@ -119,12 +139,20 @@ impl BlockHasher {
         }
     }
 
-    /// The pool key of a key the engine made (its block hash), under a model version: keyed BLAKE3 of both,
-    /// length-prefixed, in a domain of its own (whatever the hash kind: engine keys are short and already hashes).
-    pub fn engine_key(&self, version: &[u8], key: &[u8]) -> Key {
+    /// What maps the keys the engine made (its block hashes) to pool keys under a model version, in a domain of
+    /// their own: the hash kind's keyed hash under a key (xxh3: a secret) derived from the deployment key and the
+    /// version, length-prefixed.
+    pub fn engine_keys(&self, version: &[u8]) -> EngineKeys {
         let mut h = blake3::Hasher::new_keyed(&self.namespace_key);
-        h.update(b"engine key").update(&(version.len() as u64).to_le_bytes()).update(version).update(key);
-        u128::from_le_bytes(h.finalize().as_bytes()[..16].try_into().expect("16 bytes"))
+        h.update(b"engine key").update(&(version.len() as u64).to_le_bytes()).update(version);
+        match self.kind {
+            HashKind::Blake3 => EngineKeys::Blake3(*h.finalize().as_bytes()),
+            HashKind::Xxh3 => {
+                let mut secret = Box::new([0u8; 192]);
+                h.update(b"xxh3").finalize_xof().fill(&mut secret[..]);
+                EngineKeys::Xxh3(secret)
+            }
+        }
     }
 
     /// The key of the block after one with key `prev`.

@@ -175,16 +175,19 @@ pub struct Index {
     model_version: Vec<u8>,
     epoch: u64,
     events: EventLog,
-    /// The engine's bytes of engine-keyed pages.
+    /// The engine's bytes of engine-keyed pages, and their hashing under the model version.
     names: engine_keys::Names,
+    engine_keys: crate::chain::EngineKeys,
 }
 
 impl Index {
     /// An index whose pools can hand out `usable_pages` / `usable_states` slots now (grow later with `grow`).
     pub fn new(cfg: Config, usable_pages: u32, usable_states: u32) -> Result<Self> {
         cfg.validate()?;
+        let hasher = BlockHasher::new(cfg.hash_kind, &cfg.hash_key);
         Ok(Self {
-            hasher: BlockHasher::new(cfg.hash_kind, &cfg.hash_key),
+            engine_keys: hasher.engine_keys(b""),
+            hasher,
             pages: Pool::with_policy(cfg.page_slots, usable_pages, cfg.eviction_policy),
             states: Pool::with_policy(cfg.state_slots, usable_states, cfg.eviction_policy),
             requests: HashMap::new(),
@@ -209,6 +212,7 @@ impl Index {
             return false;
         }
         self.model_version = version.to_vec();
+        self.engine_keys = self.hasher.engine_keys(version);
         self.epoch += 1;
         let dropped = self.pages.retire_all();
         self.record(true, Medium::Cpu, dropped);

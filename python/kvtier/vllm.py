@@ -22,7 +22,7 @@ connector passes between them, the chunk ids in the load/store specs. So:
   complete at once.
 
 The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings: ``host_bytes``,
-``eviction_policy``, ``event_buffer``, ``hash_key``, ``copy_method``, ``copy_crossover_bytes``,
+``eviction_policy``, ``event_buffer``, ``hash_kind``, ``hash_key``, ``copy_method``, ``copy_crossover_bytes``,
 ``copy_streams``. Any bad value raises ``ValueError`` naming it when vLLM builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM`` (0.33 and 0.34; 0.34 hands the worker device pointers instead of block ids,
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +107,7 @@ SETTING_KEYS = (
     "host_bytes",
     "eviction_policy",
     "event_buffer",
+    "hash_kind",
     "hash_key",
     "copy_method",
     "copy_crossover_bytes",
@@ -136,7 +137,7 @@ def _key_name(key: bytes) -> str:
     return bytes(key).hex()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Ticket:
     """One index ticket and how many of its keys vLLM has yet to report done."""
 
@@ -166,6 +167,7 @@ class KvtierManager(OffloadingManager):
         eviction_policy: str = "lru",
         enable_events: bool = False,
         event_buffer: int = 0,
+        hash_kind: str = "blake3",
         hash_key: str | bytes | None = None,
         tokens_per_slot: int = 16,
         info: CPUOffloadingInfo | None = None,
@@ -183,6 +185,7 @@ class KvtierManager(OffloadingManager):
             block_size=tokens_per_slot,
             eviction_policy=eviction_policy,
             event_buffer=event_buffer if self.enable_events else 0,
+            hash_kind=hash_kind,
             hash_key=hash_key,
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
@@ -242,36 +245,37 @@ class KvtierManager(OffloadingManager):
         plan = self.index.store_keys(keys)
         if plan is None:
             return None
+        # vLLM's OffloadKey is a NewType of bytes: the evicted keys' bytes are vLLM's keys as they are.
         ticket, indices, slots, evicted = plan
-        evicted_keys = [OffloadKey(e) for e in evicted]
-        self._ready.difference_update(evicted_keys)
+        self._ready.difference_update(evicted)
         if not indices:
             # Everything is on the host already: the ready pages the call held count as a use, and go back now
             # (vLLM reports no completion for a store with nothing to copy).
             self.index.complete(ticket)
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=evicted_keys)
-        keys_to_store = [keys[i] for i in indices]
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=evicted)
+        # The positions of distinct keys not on the host, in order: all of them when they are as many.
+        keys_to_store = keys if len(indices) == len(keys) else list(map(keys.__getitem__, indices))
         t = _Ticket(ticket, len(keys_to_store), keys=keys_to_store)
         self._tickets[ticket] = t
-        self._store_ticket.update(dict.fromkeys(keys_to_store, t))
+        self._store_ticket.update(zip(keys_to_store, itertools.repeat(t)))
         self._pending.update(keys_to_store)
         self._pending_store_keys += len(keys_to_store)
-        return PrepareStoreOutput(
-            keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(list(slots)), evicted_keys=evicted_keys
-        )
+        return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        for key in keys:
-            t = self._store_ticket.pop(key, None)
-            if t is None:
-                continue  # not being stored (already settled, or stored by an earlier call)
-            self._pending_store_keys -= 1
+        # Each key's ticket, counted (a key not being stored, already settled or stored by an earlier call, has
+        # none).
+        done: Counter[_Ticket | None] = Counter(map(self._store_ticket.pop, keys, itertools.repeat(None)))
+        done.pop(None, None)
+        for t, n in done.items():
+            assert t is not None
+            self._pending_store_keys -= n
             if not success:
                 t.failed = True
-            self._settle(t)
+            self._settle(t, n)
 
-    def _settle(self, t: _Ticket) -> None:
-        t.remaining -= 1
+    def _settle(self, t: _Ticket, n: int = 1) -> None:
+        t.remaining -= n
         if t.remaining > 0:
             return
         del self._tickets[t.ticket]
@@ -500,6 +504,7 @@ class KvtierSpec(OffloadingSpec):
                 eviction_policy=s.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 event_buffer=s.event_buffer,
+                hash_kind=s.hash_kind,
                 hash_key=s.hash_key,
                 tokens_per_slot=max(self.tokens_per_block) * self.blocks_per_chunk if self.tokens_per_block else 16,
                 info=self.info,

@@ -151,10 +151,10 @@ class KvtierMooncakeTier(SecondaryTierManager):
         self._stride = int(rows.strides[0])
         self._row_bytes = int(rows.shape[1])
         self._num_chunks = int(rows.shape[0])
-        self._object_bytes = L3_HEADER_BYTES + self._row_bytes
-        if self._object_bytes > s.l3_staging_bytes:
+        self.object_bytes = L3_HEADER_BYTES + self._row_bytes
+        if self.object_bytes > s.l3_staging_bytes:
             raise ValueError(
-                f"l3_staging_bytes must hold one chunk object ({self._object_bytes} bytes), got {s.l3_staging_bytes}"
+                f"l3_staging_bytes must hold one chunk object ({self.object_bytes} bytes), got {s.l3_staging_bytes}"
             )
         self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
         self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
@@ -181,6 +181,10 @@ class KvtierMooncakeTier(SecondaryTierManager):
         log.info("KvtierMooncakeTier: fingerprint %s, %d bytes a chunk", self.fingerprint, self._row_bytes)
 
     # --- the framework's calls (scheduler thread, never blocking) ---
+
+    def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
+        """The Store key of each vLLM key's object (``object_bytes`` long: header and chunk)."""
+        return self._format.store_keys(self._format.keys([bytes(k).hex() for k in keys]))
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
@@ -255,7 +259,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
                 self._jobs.task_done()
 
     def _batches(self, n: int) -> Iterable[tuple[int, int]]:
-        per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self._object_bytes))
+        per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self.object_bytes))
         return ((i, min(i + per, n)) for i in range(0, n, per))
 
     def _wire(self, headers: HostBuffer, chunks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -265,8 +269,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     def _staged(self, staging: HostBuffer, count: int) -> tuple[list[list[int]], list[list[int]]]:
         return (
-            [[staging.addr + j * self._object_bytes] for j in range(count)],
-            [[self._object_bytes] for _ in range(count)],
+            [[staging.addr + j * self.object_bytes] for j in range(count)],
+            [[self.object_bytes] for _ in range(count)],
         )
 
     def _store(self, job: TransferJob) -> JobResult:
@@ -295,7 +299,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
                 continue
             for i, code in zip(run, codes, strict=True):
                 ok[i] = code == 0
-                moved += self._object_bytes if code == 0 else 0
+                moved += self.object_bytes if code == 0 else 0
                 self.counters["put"] += int(code == 0)
         stored = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
         with self._lock:
@@ -333,7 +337,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
                 i = start + j
                 if why is None:
                     ok[i] = True
-                    moved += self._object_bytes
+                    moved += self.object_bytes
                     self.counters["loaded"] += 1
                     continue
                 gone.append(OffloadKey(keys[i]))

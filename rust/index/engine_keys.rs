@@ -3,8 +3,6 @@
 //! model version, so they share the pools, references, ready flags, reservations, policy, statistics and events
 //! of token chains and never meet a chain's key. The engine's bytes are kept beside the pool, so what is evicted
 //! is reported in them.
-use std::collections::HashMap;
-
 use super::{Index, Ticket, TicketKind};
 use crate::chain::Key;
 use crate::error::{invalid, Result};
@@ -36,7 +34,7 @@ pub struct KeyStorePlan {
 /// The engine's bytes of the pool keys it named (some may have left the pool since).
 #[derive(Debug, Default)]
 pub(super) struct Names {
-    map: HashMap<Key, Box<[u8]>>,
+    map: crate::pool::KeyMap<Box<[u8]>>,
 }
 
 impl Names {
@@ -64,7 +62,7 @@ impl Index {
                 key.len()
             )));
         }
-        Ok(self.hasher.engine_key(&self.model_version, key))
+        Ok(self.engine_keys.key(key))
     }
 
     fn engine_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Key>> {
@@ -124,9 +122,9 @@ impl Index {
     /// given twice is stored once.
     pub fn store_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Option<KeyStorePlan>> {
         let pool_keys = self.engine_keys(keys)?;
-        let mut seen = crate::pool::KeyMap::default();
-        let mut indices = Vec::new();
-        let mut missing = Vec::new();
+        let mut seen = crate::pool::KeyMap::with_capacity_and_hasher(pool_keys.len(), Default::default());
+        let mut indices = Vec::with_capacity(pool_keys.len());
+        let mut missing = Vec::with_capacity(pool_keys.len());
         for (i, &k) in pool_keys.iter().enumerate() {
             if self.pages.slot_of(k).is_none() && seen.insert(k, ()).is_none() {
                 indices.push(i as u32);
@@ -149,8 +147,11 @@ impl Index {
             self.pages.acquire(s)?;
         }
         let (slots, evicted) = self.pages.reserve(&missing).expect("checked available()");
-        let evicted_names = evicted.iter().map(|&k| self.names.bytes(k)).collect();
-        self.record(true, Medium::Cpu, evicted);
+        // The names of the keys evicted here go with them (others leave by `prune`).
+        let evicted_names: Vec<Vec<u8>> = evicted.iter().map(|&k| self.names.take(k)).collect();
+        if self.events.enabled() && !evicted.is_empty() {
+            self.events.record(true, Medium::Cpu, evicted, evicted_names.clone());
+        }
         for (&i, &k) in indices.iter().zip(&missing) {
             self.names.insert(k, keys[i as usize].as_ref());
         }
@@ -167,6 +168,11 @@ impl Index {
 impl Names {
     fn insert(&mut self, k: Key, name: &[u8]) {
         self.map.insert(k, name.into());
+    }
+
+    /// `bytes(k)`, forgetting the name.
+    fn take(&mut self, k: Key) -> Vec<u8> {
+        self.map.remove(&k).map_or_else(|| k.to_be_bytes().to_vec(), <[u8]>::into_vec)
     }
 
     /// Forgets the names of keys that left the pool, once they are as many as the pool's slots (so the map
@@ -276,6 +282,20 @@ mod tests {
         assert_eq!(ix.lookup_keys(&[k(1)]).unwrap().hits, 0);
         let removed: Vec<_> = ix.take_events().into_iter().filter(|e| e.removed).flat_map(|e| e.names).collect();
         assert_eq!(removed, [k(1)]);
+    }
+
+    #[test]
+    fn engine_keys_under_xxh3_hit_and_miss_by_model_version_as_under_blake3() {
+        let cfg = Config { hash_kind: crate::chain::HashKind::Xxh3, ..Config::new(4, 0, 4) };
+        let mut ix = Index::new(cfg, 4, 0).unwrap();
+        let p = ix.store_keys(&[k(1), k(2)]).unwrap().unwrap();
+        ix.complete(p.ticket).unwrap();
+        assert_eq!(ix.lookup_keys(&[k(1), k(2), k(3)]).unwrap().hits, 2);
+        assert_ne!(ix.engine_key(&k(1)).unwrap(), index(4).engine_key(&k(1)).unwrap(), "each kind its own keys");
+        let before = ix.engine_key(&k(1)).unwrap();
+        assert!(ix.set_model_version(b"v2"));
+        assert_ne!(ix.engine_key(&k(1)).unwrap(), before);
+        assert_eq!(ix.lookup_keys(&[k(1)]).unwrap().hits, 0);
     }
 
     #[test]

@@ -107,22 +107,45 @@ pub struct PyStorePlan {
 
 type KeyStoreTuple<'py> = (u64, Vec<u32>, Vec<u32>, Vec<Bound<'py, PyBytes>>);
 
+/// Engine keys copied out of a sequence of bytes objects into one buffer (the GIL is released while the index
+/// works on them, and another thread may change the sequence meanwhile).
+struct PackedKeys {
+    bytes: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl PackedKeys {
+    fn views(&self) -> Vec<&[u8]> {
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let key = &self.bytes[start..end];
+                start = end;
+                key
+            })
+            .collect()
+    }
+}
+
 /// A sequence of bytes objects, copied (the GIL is released while the index works on them).
-fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     if keys.is_instance_of::<PyBytes>() || keys.is_instance_of::<pyo3::types::PyString>() {
         return Err(PyTypeError::new_err(format!(
             "keys must be a sequence of bytes objects, got one {}",
             keys.get_type().name()?
         )));
     }
-    let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+    let n = keys.len().unwrap_or(0);
+    let mut out = PackedKeys { bytes: Vec::with_capacity(n * 40), ends: Vec::with_capacity(n) };
     for (i, k) in keys.try_iter()?.enumerate() {
         let k = k?;
         let b = k.cast::<PyBytes>().map_err(|_| {
             let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
         })?;
-        out.push(b.as_bytes().to_vec());
+        out.bytes.extend_from_slice(b.as_bytes());
+        out.ends.push(out.bytes.len());
     }
     Ok(out)
 }
@@ -609,7 +632,7 @@ impl PyIndex {
     /// first, and whether the next one is being stored: `(hits, pending)`. Nothing is held.
     fn lookup_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
         let keys = engine_keys(keys)?;
-        let l = py.detach(|| self.lock().lookup_keys(&keys)).map_err(to_py)?;
+        let l = py.detach(|| self.lock().lookup_keys(&keys.views())).map_err(to_py)?;
         Ok((l.hits, l.pending))
     }
 
@@ -617,7 +640,7 @@ impl PyIndex {
     /// first that is not, and nothing is held): `(ticket, page_slots)`. Complete or abort the ticket.
     fn load_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(u64, Vec<u32>)> {
         let keys = engine_keys(keys)?;
-        let p = py.detach(|| self.lock().load_keys(&keys)).map_err(to_py)?;
+        let p = py.detach(|| self.lock().load_keys(&keys.views())).map_err(to_py)?;
         Ok((p.ticket, p.page_slots.into_iter().flatten().collect()))
     }
 
@@ -627,7 +650,7 @@ impl PyIndex {
     /// the copies are done, abort it if they failed.
     fn store_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Option<KeyStoreTuple<'py>>> {
         let keys = engine_keys(keys)?;
-        let Some(p) = py.detach(|| self.lock().store_keys(&keys)).map_err(to_py)? else { return Ok(None) };
+        let Some(p) = py.detach(|| self.lock().store_keys(&keys.views())).map_err(to_py)? else { return Ok(None) };
         let evicted = p.evicted.iter().map(|k| PyBytes::new(py, k)).collect();
         Ok(Some((p.ticket, p.indices, p.slots, evicted)))
     }
