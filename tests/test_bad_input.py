@@ -21,7 +21,7 @@ SEQ = object()
 
 
 def engine() -> Engine:
-    return Engine(EngineConfig.preset("tiny", num_gpu_blocks=48, num_state_slots=4, chunk_size=32, max_batch=2))
+    return Engine(EngineConfig.preset("tiny", num_gpu_blocks=48, num_state_rings=4, chunk_size=32, max_batch=2))
 
 
 @pytest.fixture(scope="module")

@@ -97,14 +97,14 @@ def _memcpy(nbytes: int) -> tuple[float, float]:
     return _best(lambda: host.copy_(dev, non_blocking=True)), _best(lambda: dev.copy_(host, non_blocking=True))
 
 
-def _copies_row(name: str, tensors: list[Any]) -> dict[str, Any]:
+def _copies_row(name: str, tensors: list[Any], copy_method: str = "auto") -> dict[str, Any]:
     """One layout's row of ``copies()``."""
     import torch
 
     from kvtier.vllm_copy import ChunkCopier, byte_rows
 
     blocks = int(tensors[0].shape[0])
-    copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks)
+    copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks, copy_method=copy_method)
     ids = list(range(blocks))
     total = blocks * sum(byte_rows(t, "t").shape[1] for t in tensors)
 
@@ -159,8 +159,8 @@ def _copies_row(name: str, tensors: list[Any]) -> dict[str, Any]:
     }
 
 
-def copies(blocks: int = 256) -> list[dict[str, Any]]:
-    """The copy half on CUDA: one row a layout (see the module's text)."""
+def copies(blocks: int = 256, copy_method: str = "auto") -> list[dict[str, Any]]:
+    """The copy half on CUDA, by ``copy_method``: one row a layout (see the module's text)."""
     import torch
 
     def blocks_first() -> list[Any]:
@@ -179,7 +179,7 @@ def copies(blocks: int = 256) -> list[dict[str, Any]]:
         ("K and V halves of [2, nb, 16, 8, 128] bf16, 8 layers", kv_halves),
         ("MLA [nb, 16, 576] bf16, 32 layers", mla),
     ):
-        rows.append(_copies_row(name, make()))
+        rows.append(_copies_row(name, make(), copy_method))
         torch.cuda.empty_cache()
     return rows
 
@@ -192,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=positive(int), default=7, help="runs a manager; the median is reported")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--copies", action="store_true", help="measure the worker's copies on CUDA instead (no vLLM)")
+    ap.add_argument(
+        "--copy-method", choices=("auto", "kernel", "dma"), default="auto", help="the copies' method (with --copies)"
+    )
     args = ap.parse_args(argv)
     if args.copies:
         import torch
@@ -199,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("kvtier bench vllm --copies needs a CUDA device")
             return 2
-        table = copies()
+        table = copies(copy_method=args.copy_method)
         if args.json:
             print(json.dumps(table, indent=2))
             return 0

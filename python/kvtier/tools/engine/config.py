@@ -44,8 +44,6 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int = 256
     num_state_rings: int = 8  # GPU ring sets: live sequences with sliding layers
-    # Deprecated name of num_state_rings, still accepted by the constructor.
-    num_state_slots: dataclasses.InitVar[int | None] = None
     layout: str = "page-first"
     chunk_size: int = 64
     max_batch: int = 8
@@ -53,9 +51,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
 
-    def __post_init__(self, num_state_slots: int | None = None) -> None:
-        if num_state_slots is not None:
-            object.__setattr__(self, "num_state_rings", num_state_slots)
+    def __post_init__(self) -> None:
         for name in (
             "vocab",
             "hidden",
