@@ -1,4 +1,5 @@
-"""Shared pytest set-up: hypothesis profiles, the gpu marker's skip, the `timed` fixture and the Mooncake fixtures.
+"""Shared pytest set-up: hypothesis profiles, the gpu marker's skip, the `timed` fixture, the Mooncake fixtures and
+the tiny reference engine the cache tests drive (`tiny_engine`).
 
 The default run has no assertion on wall time, nor on how much work fits in a time budget, so that it passes on a
 loaded machine: a test whose bounds are part of what it checks takes `timed` and asserts them only in the slow run
@@ -18,6 +19,16 @@ settings.register_profile(
     "ci", max_examples=300, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("KVTIER_HYPOTHESIS_PROFILE", "quick"))
+
+
+def tiny_engine(**overrides: object):  # type: ignore[no-untyped-def]
+    """The tiny reference engine (``EngineConfig.preset("tiny")``) with the small pools the cache tests use, on the
+    CPU unless ``overrides`` say otherwise."""
+    from kvtier.tools.engine import Engine, EngineConfig
+
+    cfg: dict[str, object] = dict(num_gpu_blocks=64, num_state_rings=4, chunk_size=32, max_batch=3, ring_slack=32)
+    cfg.update(overrides)
+    return Engine(EngineConfig.preset("tiny", **cfg))
 
 
 def _cuda_available() -> bool:

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import kvtier
+from conftest import tiny_engine
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
 from kvtier.settings import machine_memory
-from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.engine import Engine
 from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=2, turns=2, system_tokens=48, user_tokens=20, answer_tokens=3, seed=5)
@@ -21,7 +22,7 @@ SEQ = object()
 
 
 def engine() -> Engine:
-    return Engine(EngineConfig.preset("tiny", num_gpu_blocks=48, num_state_rings=4, chunk_size=32, max_batch=2))
+    return tiny_engine(num_gpu_blocks=48, max_batch=2)
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,17 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_engine
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
-from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.engine import Engine
 from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=3, turns=3, system_tokens=64, user_tokens=20, answer_tokens=4, seed=1)
 
 
 def engine(layout: str = "page-first", pattern: str = "FS", device: str = "cpu", **kw) -> Engine:
-    cfg = dict(
-        num_gpu_blocks=64,
-        num_state_slots=4,
-        chunk_size=32,
-        max_batch=3,
-        layout=layout,
-        layer_pattern=pattern,
-        device=device,
-        ring_slack=32,
-    )
-    cfg.update(kw)
-    return Engine(EngineConfig.preset("tiny", **cfg))
+    return tiny_engine(layout=layout, layer_pattern=pattern, device=device, **kw)
 
 
 def attach(e: Engine, **settings) -> Cache:

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_engine
 from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array, layer_views
 from kvtier.deepinfer import Cache
 from kvtier.settings import CacheSettings
-from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.engine import Engine
 from kvtier.tools.workload import Conversations
 
 WORK = Conversations(conversations=4, turns=3, system_tokens=128, user_tokens=24, answer_tokens=6, seed=3)
@@ -25,19 +26,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def engine(layout: str, device: str = "cpu", **kw) -> Engine:
-    cfg = dict(
-        num_gpu_blocks=36,
-        num_state_rings=4,
-        chunk_size=32,
-        max_batch=3,
-        layout=layout,
-        layer_pattern="FFS",
-        device=device,
-        ring_slack=32,
-        num_layers=4,
-    )
+    cfg = dict(num_gpu_blocks=36, layout=layout, layer_pattern="FFS", device=device, num_layers=4)
     cfg.update(kw)
-    return Engine(EngineConfig.preset("tiny", **cfg))
+    return tiny_engine(**cfg)
 
 
 class SlowCopies(Cache):

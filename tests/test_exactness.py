@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import kvtier
-from conftest import needs_mooncake
+from conftest import needs_mooncake, tiny_engine
 from kvtier.cache import HostPrefixCache
 from kvtier.deepinfer import Cache
 from kvtier.identity import engine_settings, model_identity, weights_identity
-from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.engine import Engine
 from kvtier.tools.workload import Conversations
 
 BS = 16
@@ -37,9 +37,9 @@ def host_cache(gpu: torch.Tensor, **settings) -> HostPrefixCache:  # type: ignor
 
 
 def engine(**kw) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = dict(num_gpu_blocks=96, num_state_rings=6, chunk_size=32, max_batch=3, ring_slack=32)
+    cfg = dict(num_gpu_blocks=96, num_state_rings=6)
     cfg.update(kw)
-    return Engine(EngineConfig.preset("tiny", **cfg))
+    return tiny_engine(**cfg)
 
 
 WORK = Conversations(conversations=3, turns=3, system_tokens=64, user_tokens=40, answer_tokens=4, seed=11)

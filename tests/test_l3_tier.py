@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LEASE_TTL_MS, needs_mooncake
+from conftest import LEASE_TTL_MS, needs_mooncake, tiny_engine
 
 needs_mooncake()
 
@@ -28,7 +28,7 @@ from kvtier.identity import Shard  # noqa: E402
 from kvtier.l3 import MooncakeStore, StoreConfig  # noqa: E402
 from kvtier.l3.server import LocalMooncake  # noqa: E402
 from kvtier.l3.store import StoreWrapper  # noqa: E402
-from kvtier.tools.engine import Engine, EngineConfig  # noqa: E402
+from kvtier.tools.engine import Engine  # noqa: E402
 from kvtier.tools.workload import Conversations  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
@@ -47,17 +47,7 @@ def work(seed: int) -> Conversations:
 
 
 def engine(**kw) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = dict(
-        num_gpu_blocks=64,
-        num_state_slots=4,
-        chunk_size=32,
-        max_batch=3,
-        layer_pattern="FS",
-        device="cpu",
-        ring_slack=32,
-    )
-    cfg.update(kw)
-    return Engine(EngineConfig.preset("tiny", **cfg))
+    return tiny_engine(**{"layer_pattern": "FS", **kw})
 
 
 def attach(e: Engine, master: str | None, **settings) -> Cache:  # type: ignore[no-untyped-def]
