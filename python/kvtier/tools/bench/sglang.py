@@ -11,6 +11,12 @@ and the host pool registered; objects still verified, with xxh3-128 digests), "z
 with ``batch_set_v1`` (the same host pages, keys of its own) and reads them back into other host pages with
 ``batch_get_v1``; the bytes read are compared with those written. Throughput is page bytes per second (GB/s, 1e9
 bytes/s; kvtier's 80-byte headers not counted), medians over the rounds. Run: ``kvtier bench sglang [--json]``.
+
+``--shapes``: no backend, only a plain Mooncake client on the same kind of master, putting and getting the same
+bytes (``--pages`` pages of K and V halves in one registered buffer) in the shape of each backend's objects: SGLang's
+(two single-piece objects a page, ``batch_put_from`` / ``batch_get_into``) and kvtier's (one object a page of three
+pieces, an 80-byte header then K and V, ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so what
+the object shape costs in Mooncake itself is told apart from what the backends add.
 """
 
 from __future__ import annotations
@@ -138,6 +144,68 @@ def page_bytes_of(pool: Any, index: int) -> Any:
     return pool.get_data_page(index).contiguous().view(torch.uint8)
 
 
+def shapes(pages: int, half: int, rounds: int, segment_bytes: int) -> dict[str, dict[str, float]]:
+    """Median seconds of a put and a get of ``pages`` pages (K and V of ``half`` bytes each) in each object shape,
+    by a plain Mooncake client (see the module's text)."""
+    import torch
+
+    from kvtier._core import L3_HEADER_BYTES
+    from kvtier.l3.server import LocalMooncake
+    from kvtier.l3.store import import_mooncake
+
+    mc = import_mooncake()
+    with LocalMooncake(segment_bytes=segment_bytes, lease_ttl_ms=10_000) as server:
+        store = mc.MooncakeDistributedStore()
+        if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", server.master_addr) != 0:
+            raise RuntimeError("Mooncake setup failed")
+        try:
+            buf = torch.empty(pages * 2 * half + pages * L3_HEADER_BYTES, dtype=torch.uint8).random_(0, 256)
+            base = buf.data_ptr()
+            if store.register_buffer(base, buf.numel()) != 0:
+                raise RuntimeError("Mooncake register_buffer failed")
+            k = [base + p * 2 * half for p in range(pages)]
+            v = [a + half for a in k]
+            hdr = [base + pages * 2 * half + p * L3_HEADER_BYTES for p in range(pages)]
+
+            def sglang(keys: list[str]) -> tuple[Any, Any]:
+                names = [f"{key}_{part}" for key in keys for part in "kv"]
+                ptrs = [a for pair in zip(k, v, strict=True) for a in pair]
+                sizes = [half] * len(names)
+                return (lambda: store.batch_put_from(names, ptrs, sizes)), (
+                    lambda: store.batch_get_into(names, ptrs, sizes)
+                )
+
+            def kvtier(keys: list[str]) -> tuple[Any, Any]:
+                ptrs = [[h, a, b] for h, a, b in zip(hdr, k, v, strict=True)]
+                sizes = [[L3_HEADER_BYTES, half, half]] * pages
+                return (lambda: store.batch_put_from_multi_buffers(keys, ptrs, sizes, mc.ReplicateConfig())), (
+                    lambda: store.batch_get_into_multi_buffers(keys, ptrs, sizes, False)
+                )
+
+            times: dict[str, list[tuple[float, float]]] = {"sglang shape": [], "kvtier shape": []}
+            for r in range(rounds + 1):
+                for name, make in (("sglang shape", sglang), ("kvtier shape", kvtier)):
+                    put, get = make([uuid.uuid4().hex for _ in range(pages)])
+                    t0 = time.perf_counter()
+                    codes = list(put())
+                    t1 = time.perf_counter()
+                    got = list(get())
+                    t2 = time.perf_counter()
+                    if any(c != 0 for c in codes) or any(c <= 0 for c in got):
+                        raise RuntimeError(f"{name}: put {codes[:4]}..., get {got[:4]}...")
+                    if r:
+                        times[name].append((t1 - t0, t2 - t1))
+            return {
+                name: {
+                    "put_s": statistics.median(t[0] for t in ts),
+                    "get_s": statistics.median(t[1] for t in ts),
+                }
+                for name, ts in times.items()
+            }
+        finally:
+            store.close()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.tools.cli import at_least, parser
 
@@ -150,6 +218,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
     ap.add_argument("--segment-mib", type=at_least(1), default=2048, help="the holder's segment")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--shapes", action="store_true", help="the object shapes in plain Mooncake, no backend")
     return ap.parse_args(argv)
 
 
@@ -164,6 +233,8 @@ def _round(storage: Any, keys: list[str], src: Any, dst: Any) -> tuple[float, fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.shapes:
+        return _main_shapes(a)
     try:
         import torch
 
@@ -234,6 +305,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, r in results.items():
         cells = [f"{r[f'{op}_GBps']:.3f} ({r[f'{op}_vs_sglang']:.2f})" for op in ("batch_set_v1", "batch_get_v1")]
         print(f"{name:<18}{cells[0]:>16}{cells[1]:>16}")
+    return 0
+
+
+def _main_shapes(a: argparse.Namespace) -> int:
+    try:
+        from kvtier.l3.store import import_mooncake
+
+        import_mooncake()
+    except ImportError as e:
+        print(f"kvtier bench sglang: needs Mooncake ({e})", file=sys.stderr)
+        return 2
+    half = a.page_size * a.layers * a.heads * a.head_dim * 2  # float16 K (or V) of a page-first page
+    result = shapes(a.pages, half, a.rounds, a.segment_mib << 20)
+    base = result["sglang shape"]
+    for r in result.values():
+        r["put_vs_sglang"] = round(base["put_s"] / r["put_s"], 3)
+        r["get_vs_sglang"] = round(base["get_s"] / r["get_s"], 3)
+    if a.json:
+        print(json.dumps({"pages": a.pages, "half_bytes": half, "rounds": a.rounds, "results": result}))
+        return 0
+    print(f"{a.pages} pages of 2 x {half} bytes a call, plain Mooncake, medians of {a.rounds} rounds (ms; ratio):")
+    for name, r in result.items():
+        print(
+            f"{name:<14} put {r['put_s'] * 1e3:7.2f} ({r['put_vs_sglang']:.2f})   "
+            f"get {r['get_s'] * 1e3:7.2f} ({r['get_vs_sglang']:.2f})"
+        )
     return 0
 
 
