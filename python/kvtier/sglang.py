@@ -237,7 +237,7 @@ def _hit_policy(transfer: PoolTransfer) -> PoolHitPolicy:
 
 
 @dataclass
-class HostPool:
+class RegisteredPool:
     """A registered SGLang host pool: its object format and the memory its pages must lie in."""
 
     pool: Any
@@ -296,7 +296,7 @@ class KvtierStore(HiCacheStorage):
         s = self.settings
         self.zero_copy = bool(s.l3_zero_copy)
         # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
-        self._pools: dict[str, HostPool] = {}
+        self._pools: dict[str, RegisteredPool] = {}
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         # One set of header slots and one staging buffer per direction: SGLang's backup and prefetch threads run
@@ -363,7 +363,7 @@ class KvtierStore(HiCacheStorage):
             for start, end in ranges:
                 self._register(start, end - start)
         fmt = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
-        self._pools[name] = HostPool(pool, fmt, ranges)
+        self._pools[name] = RegisteredPool(pool, fmt, ranges)
         log.info(
             "kvtier SGLang backend: host pool %s, fingerprint %s, %s, %d bytes a page",
             name,
@@ -372,7 +372,7 @@ class KvtierStore(HiCacheStorage):
             int(fields["page_bytes"]),
         )
 
-    def _host_pool(self, name: Any = PoolName.KV) -> HostPool:
+    def _host_pool(self, name: Any = PoolName.KV) -> RegisteredPool:
         key = pool_name_of(name)
         pool = self._pools.get(key)
         if pool is None:
@@ -398,7 +398,7 @@ class KvtierStore(HiCacheStorage):
         fmt = self._host_pool(pool).fmt
         return fmt.store_keys(fmt.keys(list(keys)))
 
-    def _page_pieces(self, keys: Sequence[str], host_indices: Any, pool: HostPool | None = None) -> Pieces:
+    def _page_pieces(self, keys: Sequence[str], host_indices: Any, pool: RegisteredPool | None = None) -> Pieces:
         """Each page's ``(address, bytes)`` pieces in a host pool (the KV pool unless given), checked to lie inside
         its memory."""
         _check_keys(keys)
