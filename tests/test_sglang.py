@@ -417,6 +417,8 @@ def test_bad_calls_name_the_bad_value(mooncake_server: Any, closing: list[Any]) 
         store.batch_set_v1([keys[0], ""], tokens(0, 2))
     with pytest.raises(TypeError, match="host_indices"):
         store.batch_get_v1(keys, [0, 1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host_indices must be a 1-D tensor of integers"):
+        store.batch_set_v1(keys, tokens(0, 2).float())
     with pytest.raises(ValueError, match=r"values\[0\]"):
         store.batch_set(keys[:1], [torch.zeros(4, 4).t()])
     assert store.stats()["sglang_pages_put"] == 0

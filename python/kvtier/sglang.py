@@ -404,8 +404,14 @@ class KvtierStore(HiCacheStorage):
         _check_keys(keys)
         pool = pool or self._host_pool()
         host = pool.pool
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
-            raise TypeError(f"host_indices must be a 1-D tensor, got {host_indices!r:.80}")
+        if (
+            not isinstance(host_indices, torch.Tensor)
+            or host_indices.dim() != 1
+            or host_indices.dtype.is_floating_point
+            or host_indices.dtype.is_complex
+            or host_indices.dtype == torch.bool
+        ):
+            raise TypeError(f"host_indices must be a 1-D tensor of integers, got {host_indices!r:.80}")
         if host_indices.numel() != len(keys) * host.page_size:
             raise ValueError(
                 f"host_indices must hold {len(keys)} pages of {host.page_size} tokens, got {host_indices.numel()}"
