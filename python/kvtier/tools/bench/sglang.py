@@ -12,8 +12,9 @@ with ``batch_set_v1`` (the same host pages, keys of its own) and reads them back
 ``batch_get_v1``; the bytes read are compared with those written. Throughput is page bytes per second (GB/s, 1e9
 bytes/s; kvtier's 80-byte headers not counted), medians over the rounds. Run: ``kvtier bench sglang [--json]``.
 
-``--shapes``: no backend, only a plain Mooncake client on the same kind of master, putting and getting the same
-bytes (``--pages`` pages of K and V halves in one registered buffer) in the shape of each backend's objects: SGLang's
+``--shapes``: no backend, only a plain Mooncake client on the same kind of master and the same kind of host pool,
+putting ``--pages`` pages and getting them into other pages (headers in a buffer of their own) in the shape of each
+backend's objects: SGLang's
 (two single-piece objects a page, ``batch_put_from`` / ``batch_get_into``) and kvtier's (one object a page of three
 pieces, an 80-byte header then K and V, ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so what
 the object shape costs in Mooncake itself is told apart from what the backends add.
@@ -144,9 +145,9 @@ def page_bytes_of(pool: Any, index: int) -> Any:
     return pool.get_data_page(index).contiguous().view(torch.uint8)
 
 
-def shapes(pages: int, half: int, rounds: int, segment_bytes: int) -> dict[str, dict[str, float]]:
-    """Median seconds of a put and a get of ``pages`` pages (K and V of ``half`` bytes each) in each object shape,
-    by a plain Mooncake client (see the module's text)."""
+def shapes(pool: Any, pages: int, rounds: int, segment_bytes: int) -> dict[str, dict[str, float]]:
+    """Median seconds of a put and a get of ``pages`` pages of a SGLang host pool in each object shape, by a plain
+    Mooncake client (see the module's text): pages ``0..pages`` are put, and got into pages ``pages..2 pages``."""
     import torch
 
     from kvtier._core import L3_HEADER_BYTES
@@ -154,37 +155,43 @@ def shapes(pages: int, half: int, rounds: int, segment_bytes: int) -> dict[str, 
     from kvtier.l3.store import import_mooncake
 
     mc = import_mooncake()
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(2 * pages * pool.page_size))
+    per = len(ptrs) // (2 * pages)  # pieces a page: K and V of a page-first MHA pool
+    pieces = [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
     with LocalMooncake(segment_bytes=segment_bytes, lease_ttl_ms=10_000) as server:
         store = mc.MooncakeDistributedStore()
         if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", server.master_addr) != 0:
             raise RuntimeError("Mooncake setup failed")
         try:
-            buf = torch.empty(pages * 2 * half + pages * L3_HEADER_BYTES, dtype=torch.uint8).random_(0, 256)
-            base = buf.data_ptr()
-            if store.register_buffer(base, buf.numel()) != 0:
-                raise RuntimeError("Mooncake register_buffer failed")
-            k = [base + p * 2 * half for p in range(pages)]
-            v = [a + half for a in k]
-            hdr = [base + pages * 2 * half + p * L3_HEADER_BYTES for p in range(pages)]
+            kv = pool.kv_buffer
+            headers = torch.zeros(2 * pages * L3_HEADER_BYTES, dtype=torch.uint8)
+            for b in (kv, headers):
+                if store.register_buffer(b.data_ptr(), b.numel() * b.element_size()) != 0:
+                    raise RuntimeError("Mooncake register_buffer failed")
+            hdr = [headers.data_ptr() + p * L3_HEADER_BYTES for p in range(2 * pages)]
+            put_pages, get_pages = range(pages), range(pages, 2 * pages)
 
             def sglang(keys: list[str]) -> tuple[Any, Any]:
-                names = [f"{key}_{part}" for key in keys for part in "kv"]
-                ptrs = [a for pair in zip(k, v, strict=True) for a in pair]
-                sizes = [half] * len(names)
-                return (lambda: store.batch_put_from(names, ptrs, sizes)), (
-                    lambda: store.batch_get_into(names, ptrs, sizes)
+                names = [f"{key}_{j}" for key in keys for j in range(per)]
+                src = [a for p in put_pages for a, _ in pieces[p]]
+                dst = [a for p in get_pages for a, _ in pieces[p]]
+                lens = [n for p in put_pages for _, n in pieces[p]]
+                return (lambda: store.batch_put_from(names, src, lens)), (
+                    lambda: store.batch_get_into(names, dst, lens)
                 )
 
             def kvtier(keys: list[str]) -> tuple[Any, Any]:
-                ptrs = [[h, a, b] for h, a, b in zip(hdr, k, v, strict=True)]
-                sizes = [[L3_HEADER_BYTES, half, half]] * pages
-                return (lambda: store.batch_put_from_multi_buffers(keys, ptrs, sizes, mc.ReplicateConfig())), (
-                    lambda: store.batch_get_into_multi_buffers(keys, ptrs, sizes, False)
+                src = [[hdr[p], *(a for a, _ in pieces[p])] for p in put_pages]
+                dst = [[hdr[p], *(a for a, _ in pieces[p])] for p in get_pages]
+                lens = [[L3_HEADER_BYTES, *(n for _, n in pieces[p])] for p in put_pages]
+                return (lambda: store.batch_put_from_multi_buffers(keys, src, lens, mc.ReplicateConfig())), (
+                    lambda: store.batch_get_into_multi_buffers(keys, dst, lens, False)
                 )
 
             times: dict[str, list[tuple[float, float]]] = {"sglang shape": [], "kvtier shape": []}
             for r in range(rounds + 1):
                 for name, make in (("sglang shape", sglang), ("kvtier shape", kvtier)):
+                    kv.view(torch.uint8).random_(0, 256)  # fresh bytes, as the backends' rounds
                     put, get = make([uuid.uuid4().hex for _ in range(pages)])
                     t0 = time.perf_counter()
                     codes = list(put())
@@ -313,19 +320,19 @@ def _main_shapes(a: argparse.Namespace) -> int:
         from kvtier.l3.store import import_mooncake
 
         import_mooncake()
+        pool = host_pool(pages=2 * a.pages, page_size=a.page_size, layers=a.layers, heads=a.heads, head_dim=a.head_dim)
     except ImportError as e:
-        print(f"kvtier bench sglang: needs Mooncake ({e})", file=sys.stderr)
+        print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
         return 2
-    half = a.page_size * a.layers * a.heads * a.head_dim * 2  # float16 K (or V) of a page-first page
-    result = shapes(a.pages, half, a.rounds, a.segment_mib << 20)
+    result = shapes(pool, a.pages, a.rounds, a.segment_mib << 20)
     base = result["sglang shape"]
     for r in result.values():
         r["put_vs_sglang"] = round(base["put_s"] / r["put_s"], 3)
         r["get_vs_sglang"] = round(base["get_s"] / r["get_s"], 3)
     if a.json:
-        print(json.dumps({"pages": a.pages, "half_bytes": half, "rounds": a.rounds, "results": result}))
+        print(json.dumps({"pages": a.pages, "rounds": a.rounds, "results": result}))
         return 0
-    print(f"{a.pages} pages of 2 x {half} bytes a call, plain Mooncake, medians of {a.rounds} rounds (ms; ratio):")
+    print(f"{a.pages} pages of a SGLang host pool a call, plain Mooncake, medians of {a.rounds} rounds (ms; ratio):")
     for name, r in result.items():
         print(
             f"{name:<14} put {r['put_s'] * 1e3:7.2f} ({r['put_vs_sglang']:.2f})   "
