@@ -240,8 +240,6 @@ def _round(storage: Any, keys: list[str], src: Any, dst: Any) -> tuple[float, fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.shapes:
-        return _main_shapes(a)
     try:
         import torch
 
@@ -253,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
         return 2
+    if a.shapes:
+        return _print_shapes(a, pool)
     tokens = a.pages * a.page_size
     src, dst = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
     page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
@@ -315,15 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _main_shapes(a: argparse.Namespace) -> int:
-    try:
-        from kvtier.l3.store import import_mooncake
-
-        import_mooncake()
-        pool = host_pool(pages=2 * a.pages, page_size=a.page_size, layers=a.layers, heads=a.heads, head_dim=a.head_dim)
-    except ImportError as e:
-        print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
-        return 2
+def _print_shapes(a: argparse.Namespace, pool: Any) -> int:
     result = shapes(pool, a.pages, a.rounds, a.segment_mib << 20)
     base = result["sglang shape"]
     for r in result.values():
