@@ -681,8 +681,8 @@ def test_vllms_scheduler_and_connector_offload_to_kvtier_and_load_the_same_bytes
 
 def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200) -> int:
     """Random requests, each one store or one lookup-and-load, completed and finished before the next, on both
-    managers: the same lookups, keys to store, refusals, evictions and public events (vLLM's metadata-only removals
-    of failed stores, which it never announces, left out). Returns the number of evictions seen."""
+    managers: the same lookups, keys to store, refusals, evictions and events (with the metadata-only releases of
+    failed stores). Returns the number of evictions seen."""
     import random
 
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -722,8 +722,8 @@ def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200)
             hits, pending = ours.index.lookup_keys([k])
             want = LookupResult.HIT if hits else LookupResult.HIT_PENDING if pending else LookupResult.MISS
             assert ours.lookup(k, contexts[1]) is want, where
-        theirs = sorted((e.removed, sorted(e.keys)) for e in ref.take_events() if not e.metadata_only)
-        mine = sorted((e.removed, sorted(e.keys)) for e in ours.take_events())
+        theirs = sorted((e.removed, e.metadata_only, e.removal_expected, sorted(e.keys)) for e in ref.take_events())
+        mine = sorted((e.removed, e.metadata_only, e.removal_expected, sorted(e.keys)) for e in ours.take_events())
         assert theirs == mine, where
     return evictions
 

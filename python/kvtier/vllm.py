@@ -115,6 +115,9 @@ SETTING_KEYS = (
 )
 # Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+# vLLM 0.34's stored events name the request that stored the pages and promise a removal event for them, which its
+# event tracker uses to describe the pages and to keep their metadata until they leave; 0.33's carry neither.
+_STORED_EVENT_NAMES_REQUEST = "req_context" in OffloadingEvent.__dataclass_fields__
 # KV events kept between two drains when vLLM publishes events and event_buffer is not set.
 DEFAULT_EVENT_BUFFER = 1 << 16
 
@@ -160,6 +163,8 @@ class KvtierManager(OffloadingManager):
     lookup costs a set membership test. Lookups are still counted in the index's statistics (``stats()``).
     """
 
+    medium = Medium.CPU  # the medium of the events it reports
+
     def __init__(
         self,
         num_slots: int,
@@ -198,6 +203,8 @@ class KvtierManager(OffloadingManager):
         self._store_ticket: dict[bytes, _Ticket] = {}
         self._load_tickets: dict[bytes, deque[_Ticket]] = {}
         self._pending_store_keys = 0
+        # Events taken from the index early, to keep them ahead of a failed store's release (``_settle``).
+        self._events: list[OffloadingEvent] = []
         self._ready: set[bytes] = set()
         self._pending: set[bytes] = set()
         # Lookups counted by an itertools.count (cheaper than an int attribute); stats() reads it by advancing it.
@@ -272,17 +279,29 @@ class KvtierManager(OffloadingManager):
             self._pending_store_keys -= n
             if not success:
                 t.failed = True
-            self._settle(t, n)
+            self._settle(t, n, req_context)
 
-    def _settle(self, t: _Ticket, n: int = 1) -> None:
+    def _settle(self, t: _Ticket, n: int = 1, req_context: ReqContext | None = None) -> None:
         t.remaining -= n
         if t.remaining > 0:
             return
         del self._tickets[t.ticket]
+        # A store's own events are told apart from the index's earlier ones where they carry something of it.
+        own_events = self.enable_events and t.keys is not None and (t.failed or _STORED_EVENT_NAMES_REQUEST)
+        if own_events:
+            self._events.extend(self._index_events())
         if t.failed:
             self.index.abort(t.ticket)
+            if own_events:
+                # vLLM's event tracker keeps each pending key's metadata until an event releases it; a store that
+                # never completes is released without a public removal, as vLLM's CPU manager does.
+                self._events.append(OffloadingEvent(keys=t.keys, medium=Medium.CPU, removed=True, metadata_only=True))
         else:
             self.index.complete(t.ticket)
+            if own_events:
+                for event in self._index_events():
+                    event.req_context = req_context
+                    self._events.append(event)
         if t.keys is not None:
             self._pending.difference_update(t.keys)
             if not t.failed:
@@ -300,12 +319,28 @@ class KvtierManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self.enable_events:
             return
-        for event in self.index.take_events():
-            yield OffloadingEvent(
+        # The whole batch leaves at the first step, so a drain stopped early replays nothing.
+        events, self._events = self._events + self._index_events(), []
+        for event in events:
+            if event.metadata_only:
+                # A key stored again since its failed store is owned by the new store: its metadata stays.
+                keys = [k for k in event.keys if k not in self._pending and k not in self._ready]
+                if not keys:
+                    continue
+                event.keys = keys
+            yield event
+
+    def _index_events(self) -> list[OffloadingEvent]:
+        return [
+            OffloadingEvent(
                 keys=[OffloadKey(bytes(k)) for k in event.keys],
                 medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
                 removed=event.removed,
+                # Every page stored on the host is announced again when it leaves.
+                removal_expected=_STORED_EVENT_NAMES_REQUEST and not event.removed,
             )
+            for event in self.index.take_events()
+        ]
 
     def reset_cache(self) -> None:
         # vLLM never completes a job issued before the reset, so every ticket and slot goes with the old index.
