@@ -46,7 +46,11 @@ def main() -> None:
             prefix = f"vllm-{version}/tests/"
             with tarfile.open(archive) as tar:
                 members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
-                tar.extractall(dest, members=members, filter="data")
+                tar.extractall(tmp, members=members, filter="data")
+            # Moved into place whole, so an interrupted run leaves nothing that looks complete.
+            release.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(release / "tests", ignore_errors=True)
+            shutil.move(Path(tmp) / f"vllm-{version}" / "tests", release / "tests")
     print(release)
 
 
