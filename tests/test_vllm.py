@@ -206,6 +206,15 @@ def test_other_vllm_versions_are_refused_naming_the_range() -> None:
 # ---- the manager, driven as vLLM's scheduler drives it --------------------------------------------------------
 
 
+def allocations(stats: Any) -> tuple[int, int]:
+    """The count and sum of vLLM's allocation-size histogram in a manager's ``get_stats()``."""
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+    reduced = stats.reduce()
+    name = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
+    return int(reduced.get(f"{name}_count", 0)), int(reduced.get(f"{name}_sum", 0))
+
+
 def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> None:
     spec = spec_from_line(
         """{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -227,6 +236,7 @@ def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> Non
     assert manager.lookup(a, ctx) is LookupResult.HIT_PENDING
     stats = manager.get_stats()
     assert stats is not None
+    assert allocations(stats) == (1, 3)  # vLLM's histogram of the slots each prepare_store asked for
     manager.complete_store({a, b, c}, ctx)  # vLLM reports a job's keys as a set
     assert [manager.lookup(k, ctx) for k in (a, b, c, d)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
 
@@ -249,6 +259,8 @@ def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> Non
     survivor = d if evicted == c else c
     manager.prepare_load([survivor], ctx)
     assert manager.prepare_store([key(9)], ctx) is None
+    assert allocations(manager.get_stats()) == (3, 3)  # d, e and the refused key(9)
+    assert allocations(manager.get_stats()) == (0, 0)
     manager.complete_load([a, b], ctx)
     manager.complete_load([e], ctx)
     manager.complete_load([survivor], ctx)

@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     Medium,
     OffloadingEvent,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -195,6 +196,8 @@ class KvtierManager(OffloadingManager):
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._tokens_per_slot = tokens_per_slot
+        # Slots each prepare_store asked for since the last get_stats (vLLM's allocation-size histogram).
+        self._allocation_sizes: list[int] = []
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -251,6 +254,7 @@ class KvtierManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         plan = self.index.store_keys(keys)
         if plan is None:
+            self._allocation_sizes.append(len({k for k in keys if k not in self._ready and k not in self._pending}))
             return None
         # vLLM's OffloadKey is a NewType of bytes: the evicted keys' bytes are vLLM's keys as they are.
         ticket, indices, slots, evicted = plan
@@ -262,6 +266,7 @@ class KvtierManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=evicted)
         # The positions of distinct keys not on the host, in order: all of them when they are as many.
         keys_to_store = keys if len(indices) == len(keys) else list(map(keys.__getitem__, indices))
+        self._allocation_sizes.append(len(keys_to_store))
         t = _Ticket(ticket, len(keys_to_store), keys=keys_to_store)
         self._tickets[ticket] = t
         self._store_ticket.update(zip(keys_to_store, itertools.repeat(t)))
@@ -366,6 +371,9 @@ class KvtierManager(OffloadingManager):
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
+        for size in self._allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
         return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
@@ -497,6 +505,10 @@ class KvtierSpec(OffloadingSpec):
             ),
             CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
                 documentation="Fraction of kvtier's host slots held by loads in flight."
+            ),
+            CPUOffloadingMetrics.CPU_ALLOCATION_SIZE: OffloadingHistogramMetadata(
+                documentation="Host slots each prepare_store asked for (refused calls included).",
+                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144),
             ),
         }
 
