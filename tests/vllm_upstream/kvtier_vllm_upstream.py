@@ -108,6 +108,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=strict))
 
 
+@pytest.hookimpl(tryfirst=True)  # before the fixtures, which may build a manager
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _current[0] = item.nodeid
 
