@@ -440,6 +440,38 @@ def test_the_deprecated_tensor_calls_round_trip(mooncake_server: Any, closing: l
     assert storage.get(keys[1], one) is one and torch.equal(one.view(torch.uint8), pages[1].view(torch.uint8))
 
 
+def test_zero_copy_registers_staging_buffers_only_when_a_deprecated_call_needs_them(
+    mooncake_server: Any, closing: list[Any]
+) -> None:
+    """The zero-copy calls move pages straight from and into the host pool: no staging memory is made or
+    registered with the Store (pinned, on RDMA) until a tensor call, which goes through it, comes."""
+    from kvtier.l3.store import MooncakeStore, StoreWrapper
+
+    registered: list[int] = []
+
+    class Recording(StoreWrapper):
+        def register(self, ptr: int, size: int) -> None:
+            registered.append(size)
+            super().register(ptr, size)
+
+    pool = host_pool(pages=16)
+    config = storage_config(extra(mooncake_server, l3_zero_copy=True))
+    storage = KvtierStore(config, store_factory=lambda c: Recording(MooncakeStore(c)))
+    closing.append(storage)
+    storage.register_mem_pool_host(pool)
+    staging = storage.settings.l3_staging_bytes
+    pool.kv_buffer.view(torch.uint8).random_(0, 256)
+    keys = page_hashes(PAGES)
+    assert all(storage.batch_set_v1(keys, tokens(0))) and all(storage.batch_get_v1(keys, tokens(PAGES)))
+    assert staging not in registered
+    pages = [pool.get_data_page(p * PAGE_SIZE) for p in range(PAGES)]
+    more = page_hashes(PAGES)
+    assert storage.batch_set(more, pages)
+    out = storage.batch_get(more, [pool.get_dummy_flat_data_page() for _ in range(PAGES)])
+    assert all(torch.equal(o.view(torch.uint8), p.view(torch.uint8)) for o, p in zip(out, pages, strict=True))
+    assert registered.count(staging) == 2  # one buffer a direction, made once
+
+
 def test_kvtier_imports_without_sglang() -> None:
     code = (
         "import sys, kvtier, kvtier.l3, kvtier.tools.cli\nassert not [m for m in sys.modules if m.startswith('sglang')]"

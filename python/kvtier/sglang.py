@@ -304,13 +304,18 @@ class KvtierStore(HiCacheStorage):
         self._put_lock = threading.Lock()
         self._get_lock = threading.Lock()
         self._headers = {d: HostBuffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
-        self._staging = {d: HostBuffer(s.l3_staging_bytes) for d in ("put", "get")}
+        # Made (and registered) when first needed: at once when staged, never in zero-copy mode unless one of the
+        # deprecated tensor or pointer calls comes.
+        self._staging: dict[str, HostBuffer] = {}
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         self._registered: list[int] = []
         try:
-            buffers = [*self._staging.values(), *(self._headers.values() if self.zero_copy else ())]
-            for b in buffers:
-                self._register(b.addr, b.nbytes)
+            if self.zero_copy:
+                for b in self._headers.values():
+                    self._register(b.addr, b.nbytes)
+            else:
+                for d in ("put", "get"):
+                    self._staging_buffer(d)
         except BaseException:
             self.close()
             raise
@@ -318,6 +323,16 @@ class KvtierStore(HiCacheStorage):
     def _register(self, ptr: int, nbytes: int) -> None:
         self.store.register(ptr, nbytes)
         self._registered.append(ptr)
+
+    def _staging_buffer(self, direction: str) -> HostBuffer:
+        """The staging buffer of ``direction`` ("put" or "get"), registered with the Store; made on first use (with
+        that direction's lock held, or in the constructor)."""
+        buffer = self._staging.get(direction)
+        if buffer is None:
+            buffer = HostBuffer(self.settings.l3_staging_bytes)
+            self._register(buffer.addr, buffer.nbytes)
+            self._staging[direction] = buffer
+        return buffer
 
     # Identity and the host pool
 
@@ -471,8 +486,14 @@ class KvtierStore(HiCacheStorage):
         done = [code == 1 for code in present]
         todo = [i for i, code in enumerate(present) if code != 1]
         self._count(pages_present=len(keys) - len(todo))
-        headers, staging = self._headers["put"], self._staging["put"]
+        headers = self._headers["put"]
         with self._put_lock:
+            try:
+                staging = self._staging_buffer("put") if staged else None
+            except L3Error as e:
+                log.warning("kvtier SGLang backend: registering the put staging buffer failed: %s", e)
+                self._count(store_errors=1, puts_failed=len(todo))
+                return done
             for start, end in self._runs([pieces[i] for i in todo], staged):
                 run = todo[start:end]
                 ptrs = [[p for p, _ in pieces[i]] for i in run]
@@ -480,7 +501,7 @@ class KvtierStore(HiCacheStorage):
                 fmt.seal(headers.addr, [keys[i] for i in run], ptrs, sizes)
                 wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
                 wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
-                if staged:
+                if staging is not None:
                     stage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes)
                     wire_ptrs, wire_sizes = self._staged_wire(staging, wire_sizes)
                 try:
@@ -512,14 +533,22 @@ class KvtierStore(HiCacheStorage):
         keys = fmt.keys(list(hashes))
         skeys = fmt.store_keys(keys)
         ok = [False] * len(keys)
-        headers, staging = self._headers["get"], self._staging["get"]
+        headers = self._headers["get"]
         with self._get_lock:
+            try:
+                staging = self._staging_buffer("get") if staged else None
+            except L3Error as e:
+                log.warning("kvtier SGLang backend: registering the get staging buffer failed: %s", e)
+                self._count(store_errors=1)
+                return ok
             for start, end in self._runs(pieces, staged):
                 ptrs = [[p for p, _ in pieces[i]] for i in range(start, end)]
                 sizes = [[n for _, n in pieces[i]] for i in range(start, end)]
                 wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
                 wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
-                call_ptrs, call_sizes = self._staged_wire(staging, wire_sizes) if staged else (wire_ptrs, wire_sizes)
+                call_ptrs, call_sizes = (
+                    self._staged_wire(staging, wire_sizes) if staging is not None else (wire_ptrs, wire_sizes)
+                )
                 try:
                     got = self.store.get_many(skeys[start:end], call_ptrs, call_sizes)
                 except L3Error as e:
@@ -528,7 +557,7 @@ class KvtierStore(HiCacheStorage):
                     log.warning("kvtier SGLang backend: get of %d pages failed: %s", end - start, e)
                     self._count(store_errors=1)
                     continue
-                if staged:
+                if staging is not None:
                     unstage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes, got)
                 verdicts = fmt.check(headers.addr, keys[start:end], ptrs, sizes, got)
                 self._judge(skeys[start:end], got, verdicts, ok, start)
