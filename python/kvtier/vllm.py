@@ -278,9 +278,9 @@ class KvtierManager(OffloadingManager):
         # Each key's ticket, counted (a key not being stored, already settled or stored by an earlier call, has
         # none).
         done: Counter[_Ticket | None] = Counter(map(self._store_ticket.pop, keys, itertools.repeat(None)))
-        done.pop(None, None)
-        for t, n in done.items():
-            assert t is not None
+        # Settled oldest first, whatever the order of the keys (vLLM passes a set): what completes in one call ages
+        # the same in every process.
+        for t, n in sorted(((t, n) for t, n in done.items() if t is not None), key=lambda tn: tn[0].ticket):
             self._pending_store_keys -= n
             if not success:
                 t.failed = True

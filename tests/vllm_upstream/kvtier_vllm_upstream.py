@@ -43,7 +43,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "test_unfinished_lru_prefix_survives_pressure_across_store_batches[True-3]": _POLICY,
     "test_unfinished_lru_reused_prefix_outlives_new_tail": _POLICY,
     "test_unfinished_lru_backfill_orders_by_token_position": _POLICY,
-    "test_request_key_positions_override_store_observation_order": _POLICY,
     "test_lru_failed_store_retry_preserves_prefix_order": _POLICY,
     "test_lru_incremental_stores_do_not_rescan_the_prefix": _POLICY + " (it counts token-position lookups)",
     "test_cpu_manager_reports_cache_usage_gauge": (
@@ -57,10 +56,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "test_request_finish_forwards_grouped_deduplicated_accesses": _INTERNALS,
     "test_touch_forwards_req_context_to_policy": _INTERNALS,
 }
-
-# Known differences that pass or fail with the order of a set of keys (which PYTHONHASHSEED chooses): vLLM
-# completes them in that order, and kvtier ranks pages by completion.
-SET_ORDER_DEPENDENT = {"test_request_key_positions_override_store_observation_order"}
 
 _built: set[str] = set()  # the tests that built kvtier's manager
 _current: list[str] = [""]
@@ -104,8 +99,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             module.CPUOffloadingManager = KvtierAsCPUManager  # type: ignore[union-attr]
         reason = KNOWN_DIFFERENCES.get(item.name) or KNOWN_DIFFERENCES.get(getattr(item, "originalname", ""))
         if reason:
-            strict = getattr(item, "originalname", item.name) not in SET_ORDER_DEPENDENT
-            item.add_marker(pytest.mark.xfail(reason=reason, strict=strict))
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
 
 @pytest.hookimpl(tryfirst=True)  # before the fixtures, which may build a manager
