@@ -265,7 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
     kvtier = {**KVTIER_BACKEND, "interface_v1": 1, "model_version": "bench", "hash_key": "kvtier bench"}
     results: dict[str, Any] = {}
-    with LocalMooncake(segment_bytes=a.segment_mib << 20, lease_ttl_ms=10_000) as server:
+    with (
+        LocalMooncake(segment_bytes=a.segment_mib << 20, lease_ttl_ms=10_000) as server,
+        ThreadPoolExecutor(1, thread_name_prefix="storage-io") as io,
+    ):
         at = {**kvtier, "l3_master": server.master_addr}
         trusted = {k: v for k, v in at.items() if k != "hash_key"}
         backends = {
@@ -275,14 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "kvtier staged": build("dynamic", at, pool),
         }
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
-        io = None if a.main_thread else ThreadPoolExecutor(1, thread_name_prefix="storage-io")
         order = list(backends.items())
         for r in range(a.rounds + 1):  # round 0 warms every path up and is not timed
             for name, storage in order[r % len(order) :] + order[: r % len(order)]:  # each first in turn
                 pool.kv_buffer.view(torch.uint8).random_(0, 256)  # fresh bytes: a stale page cannot pass
                 keys = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(a.pages)]
                 call = (storage, keys, src, dst)
-                put_s, get_s, ok = _round(*call) if io is None else io.submit(_round, *call).result()
+                put_s, get_s, ok = _round(*call) if a.main_thread else io.submit(_round, *call).result()
                 same = all(
                     torch.equal(page_bytes_of(pool, int(s)), page_bytes_of(pool, int(d)))
                     for s, d in zip(src[:: a.page_size], dst[:: a.page_size], strict=True)
@@ -303,8 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["rejected"] = storage.stats()["sglang_rejected"]
             if hasattr(storage, "close"):
                 storage.close()
-        if io is not None:
-            io.shutdown()
     base = results["sglang mooncake"]
     for r in results.values():
         for op in ("batch_set_v1_GBps", "batch_get_v1_GBps"):
