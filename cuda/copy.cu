@@ -234,6 +234,92 @@ extern "C" int kvtier_cuda_stream_create(int device, void** stream) {
 
 extern "C" int kvtier_cuda_stream_destroy(void* stream) { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
 
+namespace {
+
+// The driver's stream memory operations, found at run time through the runtime (no link against libcuda). CUresult
+// values share cudaError_t's numbers for the errors these return.
+using WaitValue32 = int (*)(void* stream, unsigned long long addr, uint32_t value, unsigned int flags);
+using WriteValue32 = int (*)(void* stream, unsigned long long addr, uint32_t value, unsigned int flags);
+
+struct MemOps {
+  WaitValue32 wait = nullptr;
+  WriteValue32 write = nullptr;
+};
+
+const MemOps& mem_ops() {
+  static const MemOps ops = [] {
+    MemOps m;
+#if CUDART_VERSION >= 12050
+    void* wait = nullptr;
+    void* write = nullptr;
+    cudaDriverEntryPointQueryResult found_wait, found_write;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &wait, 12000, cudaEnableDefault, &found_wait) ==
+            cudaSuccess &&
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &write, 12000, cudaEnableDefault, &found_write) ==
+            cudaSuccess &&
+        found_wait == cudaDriverEntryPointSuccess && found_write == cudaDriverEntryPointSuccess) {
+      m.wait = reinterpret_cast<WaitValue32>(wait);
+      m.write = reinterpret_cast<WriteValue32>(write);
+    } else {
+      cudaGetLastError();
+    }
+#endif
+    return m;
+  }();
+  return ops;
+}
+
+constexpr unsigned int kWaitGeq = 0x0;  // CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+constexpr unsigned int kWriteDefault = 0x0;  // CU_STREAM_WRITE_VALUE_DEFAULT: after a memory barrier
+
+}  // namespace
+
+extern "C" int kvtier_cuda_stream_flags_supported(void) {
+  return mem_ops().wait != nullptr && mem_ops().write != nullptr ? 1 : 0;
+}
+
+extern "C" int kvtier_cuda_flag_create(int device, void** flag) {
+  *flag = nullptr;
+  if (mem_ops().wait == nullptr) return cudaErrorNotSupported;
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  void* p = nullptr;
+  err = cudaMalloc(&p, sizeof(uint32_t));
+  if (err != cudaSuccess) return err;
+  err = cudaMemset(p, 0, sizeof(uint32_t));
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    cudaFree(p);
+    return err;
+  }
+  *flag = p;
+  return cudaSuccess;
+}
+
+extern "C" int kvtier_cuda_flag_destroy(void* flag) { return cudaFree(flag); }
+
+extern "C" int kvtier_cuda_flag_set(int device, void* flag, uint32_t value) {
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  return cudaMemcpy(flag, &value, sizeof(value), cudaMemcpyHostToDevice);
+}
+
+extern "C" int kvtier_cuda_stream_write_value(int device, void* stream, void* flag, uint32_t value) {
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  return mem_ops().write(stream, reinterpret_cast<unsigned long long>(flag), value, kWriteDefault);
+}
+
+extern "C" int kvtier_cuda_stream_wait_value(int device, void* stream, void* flag, uint32_t value) {
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  return mem_ops().wait(stream, reinterpret_cast<unsigned long long>(flag), value, kWaitGeq);
+}
+
+extern "C" int kvtier_cuda_stream_synchronize(void* stream) {
+  return cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+}
+
 extern "C" int kvtier_cuda_dma_supported(void) {
 #if CUDART_VERSION >= 12080
   int driver = 0;
