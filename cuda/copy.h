@@ -67,18 +67,6 @@ int kvtier_cuda_stream_wait_event(void* stream, void* event);
 int kvtier_cuda_stream_create(int device, void** stream);
 int kvtier_cuda_stream_destroy(void* stream);
 
-// A 32-bit flag in device memory, 0 at first, that one stream writes after its work and another waits for on the GPU
-// (the driver's stream memory operations; cudaErrorNotSupported where the driver lacks them). A wait returns once
-// (int32_t)(flag - value) >= 0, so a flag that counts up may wrap. kvtier_cuda_flag_set writes it from the host
-// (synchronously), for a writer whose stream failed.
-int kvtier_cuda_stream_flags_supported(void);
-int kvtier_cuda_flag_create(int device, void** flag);
-int kvtier_cuda_flag_destroy(void* flag);
-int kvtier_cuda_flag_set(int device, void* flag, uint32_t value);
-int kvtier_cuda_stream_write_value(int device, void* stream, void* flag, uint32_t value);
-int kvtier_cuda_stream_wait_value(int device, void* stream, void* flag, uint32_t value);
-int kvtier_cuda_stream_synchronize(void* stream);
-
 // Whether the copy engine path (cudaMemcpyBatchAsync) can run: built against CUDA 12.8+ and a driver that has it.
 int kvtier_cuda_dma_supported(void);
 

@@ -327,8 +327,8 @@ mod tests {
             host.grow_to(state_slots).unwrap();
             copier(staging.as_mut_ptr() as u64, 2, 16, host)
         });
-        let exec = Executor::new(copier(gpu.as_mut_ptr() as u64, blocks, PAGE, pages), None, states, true, false, true)
-            .unwrap();
+        let exec =
+            Executor::new(copier(gpu.as_mut_ptr() as u64, blocks, PAGE, pages), None, states, true, false).unwrap();
         let cfg = Config {
             min_hit_tokens: BS,
             state_lookback_blocks: 2,

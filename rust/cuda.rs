@@ -45,13 +45,6 @@ mod ffi {
         pub fn kvtier_cuda_stream_create(device: i32, stream: *mut *mut c_void) -> i32;
         pub fn kvtier_cuda_stream_destroy(stream: *mut c_void) -> i32;
         pub fn kvtier_cuda_dma_supported() -> i32;
-        pub fn kvtier_cuda_stream_flags_supported() -> i32;
-        pub fn kvtier_cuda_flag_create(device: i32, flag: *mut *mut c_void) -> i32;
-        pub fn kvtier_cuda_flag_destroy(flag: *mut c_void) -> i32;
-        pub fn kvtier_cuda_flag_set(device: i32, flag: *mut c_void, value: u32) -> i32;
-        pub fn kvtier_cuda_stream_write_value(device: i32, stream: *mut c_void, flag: *mut c_void, value: u32) -> i32;
-        pub fn kvtier_cuda_stream_wait_value(device: i32, stream: *mut c_void, flag: *mut c_void, value: u32) -> i32;
-        pub fn kvtier_cuda_stream_synchronize(stream: *mut c_void) -> i32;
         pub fn kvtier_memcpy_batch(
             device: i32,
             dsts: *const *mut c_void,
@@ -264,104 +257,6 @@ impl Drop for Stream {
         // SAFETY: created by kvtier_cuda_stream_create and destroyed once; CUDA lets queued work finish first.
         unsafe {
             ffi::kvtier_cuda_stream_destroy(self.0);
-        }
-    }
-}
-
-/// Whether the driver has the stream memory operations `Flag` needs.
-pub fn stream_flags_supported() -> bool {
-    #[cfg(kvtier_cuda)]
-    // SAFETY: a pure query.
-    return unsafe { ffi::kvtier_cuda_stream_flags_supported() } == 1;
-    #[cfg(not(kvtier_cuda))]
-    false
-}
-
-/// A 32-bit counter in device memory that one stream writes, on the GPU, after the work enqueued before the write,
-/// and another stream waits for, on the GPU, whichever host thread enqueued each (the driver's stream memory
-/// operations). A wait is for `flag - value >= 0` as a signed 32-bit difference, so a counter may wrap. Freed on drop.
-#[derive(Debug)]
-pub struct Flag {
-    device: i32,
-    #[cfg_attr(not(kvtier_cuda), allow(dead_code))]
-    ptr: *mut c_void,
-}
-
-// SAFETY: device memory; every call on it is a CUDA call, thread-safe.
-unsafe impl Send for Flag {}
-// SAFETY: as above; the pointer itself is never mutated.
-unsafe impl Sync for Flag {}
-
-impl Flag {
-    /// A flag at 0; fails where the driver lacks stream memory operations.
-    pub fn new(device: i32) -> Result<Self> {
-        #[cfg(kvtier_cuda)]
-        {
-            let mut ptr = std::ptr::null_mut();
-            // SAFETY: `ptr` is a valid out-pointer.
-            check(unsafe { ffi::kvtier_cuda_flag_create(device, &mut ptr) }, "a stream flag")?;
-            Ok(Self { device, ptr })
-        }
-        #[cfg(not(kvtier_cuda))]
-        {
-            let _ = device;
-            not_compiled()
-        }
-    }
-
-    /// `stream` writes `value` once the work enqueued on it before has completed.
-    pub fn write(&self, stream: u64, value: u32) -> Result<()> {
-        #[cfg(kvtier_cuda)]
-        // SAFETY: the flag is live device memory of the stream's device.
-        return check(
-            unsafe { ffi::kvtier_cuda_stream_write_value(self.device, stream as *mut c_void, self.ptr, value) },
-            "cuStreamWriteValue32",
-        );
-        #[cfg(not(kvtier_cuda))]
-        {
-            let _ = (stream, value);
-            not_compiled()
-        }
-    }
-
-    /// `stream`'s later work waits, on the GPU, until the flag reaches `value`.
-    pub fn wait(&self, stream: u64, value: u32) -> Result<()> {
-        #[cfg(kvtier_cuda)]
-        // SAFETY: as for `write`.
-        return check(
-            unsafe { ffi::kvtier_cuda_stream_wait_value(self.device, stream as *mut c_void, self.ptr, value) },
-            "cuStreamWaitValue32",
-        );
-        #[cfg(not(kvtier_cuda))]
-        {
-            let _ = (stream, value);
-            not_compiled()
-        }
-    }
-
-    /// Writes `value` from the host, after `stream`'s work (whether or not it failed): for a writer whose stream
-    /// write failed, so that no waiter waits forever.
-    pub fn set_after(&self, stream: u64, value: u32) -> Result<()> {
-        #[cfg(kvtier_cuda)]
-        // SAFETY: as for `write`; the stream handle comes from the caller.
-        unsafe {
-            ffi::kvtier_cuda_stream_synchronize(stream as *mut c_void);
-            check(ffi::kvtier_cuda_flag_set(self.device, self.ptr, value), "setting a stream flag")
-        }
-        #[cfg(not(kvtier_cuda))]
-        {
-            let _ = (stream, value);
-            not_compiled()
-        }
-    }
-}
-
-impl Drop for Flag {
-    fn drop(&mut self) {
-        #[cfg(kvtier_cuda)]
-        // SAFETY: allocated by kvtier_cuda_flag_create and freed once; cudaFree waits for the device first.
-        unsafe {
-            ffi::kvtier_cuda_flag_destroy(self.ptr);
         }
     }
 }

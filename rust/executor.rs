@@ -7,21 +7,8 @@
 //! being one tensor a layer already) and `states` (a GPU staging buffer, which the engine's own kernels fill and
 //! drain, and the host state pool). Without copy streams, or on a CPU pool, every copy runs on the engine's stream
 //! (a memcpy on the CPU, complete on return) and the ordering calls do nothing.
-//!
-//! With copy streams the engine loop does not launch the copies itself: a batch of 16,384 copy-engine pieces (a
-//! 32K-token layer-first prompt) costs the launching thread 12-16 ms (docs/PERFORMANCE.md). The executor's
-//! launcher thread (`Launcher`) launches them on streams of its own, and the engine-loop call only enqueues the
-//! ordering on kvtier's copy streams, as before: each copy stream records a gate event the launcher's stream waits
-//! for, then waits, on the GPU, for a flag the launcher's stream writes after the copies. Every event of `Order`
-//! and of the completion queue is recorded on the copy streams by the engine-loop call, so the ordering rules are
-//! unchanged whichever thread launches.
-use std::ops::Range;
-use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-
-use crate::copy::{CompletionQueue, Direction, PageCopier};
-use crate::cuda::{self, Event, Flag, Stream};
+use crate::copy::{CompletionQueue, Direction, PageCopier, Used};
+use crate::cuda::{Event, Stream};
 use crate::error::{invalid, Error, Result};
 use crate::order::{Device, Order};
 
@@ -50,214 +37,6 @@ struct CopyStreams {
     _streams: [Stream; 2],
 }
 
-/// Which copier a launch uses.
-#[derive(Clone, Copy)]
-enum Copier {
-    Pages,
-    Parts,
-}
-
-/// One engine call's copies for the launcher: after `gate`, the groups of layers in order, each followed by its
-/// flag value on the launcher's stream of `lane` (0: stores, 1: loads).
-struct Job {
-    lane: usize,
-    copier: Copier,
-    dir: Direction,
-    gpu_ids: Vec<i32>,
-    host_slots: Vec<i32>,
-    gate: Event,
-    groups: Vec<(Range<usize>, u32)>,
-}
-
-/// What the engine loop and the launcher share: jobs sent and done, the first failure, and the fault seam.
-#[derive(Default)]
-struct Progress {
-    sent: u64,
-    done: u64,
-    failure: Option<String>,
-    /// Fail the n-th job from now (0: none), as a failed launch does.
-    fault_in: u64,
-}
-
-#[derive(Default)]
-struct Shared {
-    progress: Mutex<Progress>,
-    idle: Condvar,
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Progress> {
-        self.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-    fn fail(&self, e: &Error) {
-        self.lock().failure.get_or_insert_with(|| e.to_string());
-    }
-    /// Whether a job may launch: nothing failed before, and the fault seam does not fail it.
-    fn may_launch(&self) -> bool {
-        let mut p = self.lock();
-        if p.fault_in > 0 {
-            p.fault_in -= 1;
-            if p.fault_in == 0 {
-                p.failure.get_or_insert_with(|| "an injected launch fault".into());
-            }
-        }
-        p.failure.is_none()
-    }
-}
-
-/// Pages a launch takes at most: a job's copies go in several launches, so the first copies start before the
-/// last are launched (a copy-engine batch starts once its call returns, at about 0.8 us a piece).
-const LAUNCH_PIECES: usize = 2048;
-
-/// One direction's launcher stream and the flag it writes after each group of copies.
-struct Lane {
-    stream: Stream,
-    flag: Arc<Flag>,
-    last: u32,
-}
-
-/// The launcher thread: launches each job's copies on its own stream, in the order they were sent. A copy stream
-/// waits for a job's flag values, so every value is written, on the stream or from the host, whether the copies
-/// failed or not: a failure never leaves the GPU waiting. The first failure is kept, and every later call of the
-/// executor returns it (copies a ticket counted on may be missing).
-struct Launcher {
-    device: i32,
-    jobs: Option<mpsc::Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
-    shared: Arc<Shared>,
-    lanes: [Lane; 2],
-}
-
-impl Launcher {
-    fn new(device: i32, pages: &PageCopier, parts: Option<&PageCopier>) -> Result<Self> {
-        let lane = || -> Result<Lane> {
-            Ok(Lane { stream: Stream::new(device)?, flag: Arc::new(Flag::new(device)?), last: 0 })
-        };
-        let lanes = [lane()?, lane()?];
-        let shared = Arc::new(Shared::default());
-        let (tx, rx) = mpsc::channel::<Job>();
-        let ends: Vec<(u64, Arc<Flag>)> = lanes.iter().map(|l| (l.stream.handle(), Arc::clone(&l.flag))).collect();
-        let (pages, parts, state) = (pages.clone(), parts.cloned(), Arc::clone(&shared));
-        let thread = std::thread::Builder::new()
-            .name("kvtier-copies".into())
-            .spawn(move || {
-                for job in rx {
-                    let (stream, flag) = &ends[job.lane];
-                    let copier = match job.copier {
-                        Copier::Parts => parts.as_ref().unwrap_or(&pages),
-                        Copier::Pages => &pages,
-                    };
-                    launch(job, copier, *stream, flag, &state);
-                    state.lock().done += 1;
-                    state.idle.notify_all();
-                }
-            })
-            .map_err(|e| Error::Copy(format!("starting the copy launcher thread: {e}")))?;
-        Ok(Self { device, jobs: Some(tx), thread: Some(thread), shared, lanes })
-    }
-
-    /// The first failure of a launch, if any.
-    fn failed(&self) -> Result<()> {
-        match &self.shared.lock().failure {
-            Some(msg) => {
-                Err(Error::Copy(format!("a copy launched off the engine loop failed; the copies are unusable: {msg}")))
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Sends the copies of `layers` (one group each) to the launcher, after the work enqueued so far on `stream`,
-    /// the copy stream of `lane`; returns the flag value each group writes once its copies have completed.
-    #[allow(clippy::too_many_arguments)]
-    fn submit(
-        &mut self,
-        lane: usize,
-        copier: Copier,
-        dir: Direction,
-        gpu_ids: &[i32],
-        host_slots: &[i32],
-        stream: u64,
-        layers: impl Iterator<Item = Range<usize>>,
-    ) -> Result<Vec<u32>> {
-        let gate = Event::new(self.device)?;
-        gate.record(stream)?;
-        let last = &mut self.lanes[lane].last;
-        let groups: Vec<(Range<usize>, u32)> = layers
-            .map(|r| {
-                *last = last.wrapping_add(1);
-                (r, *last)
-            })
-            .collect();
-        let values = groups.iter().map(|g| g.1).collect();
-        let job = Job { lane, copier, dir, gpu_ids: gpu_ids.to_vec(), host_slots: host_slots.to_vec(), gate, groups };
-        self.shared.lock().sent += 1;
-        if self.jobs.as_ref().is_none_or(|tx| tx.send(job).is_err()) {
-            let e = Error::Copy("the copy launcher thread has stopped".into());
-            self.shared.fail(&e);
-            return Err(e);
-        }
-        Ok(values)
-    }
-
-    /// After a job was sent, a failure to order the copy streams around it leaves them in an unknown state: it
-    /// makes the executor unusable, as a failed launch does.
-    fn after_send(&self, result: Result<()>) -> Result<()> {
-        if let Err(e) = &result {
-            self.shared.fail(e);
-        }
-        result
-    }
-
-    /// `stream` (a copy stream) waits on the GPU for the group that writes `value` on `lane`.
-    fn wait(&self, lane: usize, value: u32, stream: u64) -> Result<()> {
-        self.lanes[lane].flag.wait(stream, value)
-    }
-
-    /// Fails the n-th job sent from now (0: none) as a failed launch does (fault tests).
-    fn set_fault(&self, n: u64) {
-        self.shared.lock().fault_in = n;
-    }
-
-    /// Blocks until the launcher has launched every job sent.
-    fn flush(&self) {
-        let mut p = self.shared.lock();
-        while p.done < p.sent {
-            p = self.shared.idle.wait(p).unwrap_or_else(std::sync::PoisonError::into_inner);
-        }
-    }
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        self.jobs = None; // the thread launches what was sent and ends
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// The launcher's work for one job: after the gate, each group's copies in launches of at most `LAUNCH_PIECES`
-/// pieces, then the group's flag value, written whatever happened before it.
-fn launch(job: Job, copier: &PageCopier, stream: u64, flag: &Flag, state: &Shared) {
-    let mut ok = state.may_launch() && job.gate.wait_in(stream).map_err(|e| state.fail(&e)).is_ok();
-    for (layers, value) in job.groups {
-        let pages = (LAUNCH_PIECES / layers.len()).max(1);
-        for (gpu_ids, host_slots) in job.gpu_ids.chunks(pages).zip(job.host_slots.chunks(pages)) {
-            if !ok {
-                break;
-            }
-            if let Err(e) = copier.launch(job.dir, gpu_ids, host_slots, stream, layers.clone()) {
-                state.fail(&e);
-                ok = false;
-            }
-        }
-        if let Err(e) = flag.write(stream, value) {
-            state.fail(&e);
-            let _ = flag.set_after(stream, value);
-        }
-    }
-}
-
 /// A seam for fault tests: asked before each copy batch; `true` makes the batch fail as a failed launch does.
 pub type CopyFault = Box<dyn FnMut() -> Result<bool> + Send>;
 
@@ -269,20 +48,16 @@ pub struct Executor {
     streams: Option<CopyStreams>,
     layerwise: bool,
     fault: Option<CopyFault>,
-    // Declared after `streams`: dropped after them, its thread launching what was sent first.
-    launcher: Option<Launcher>,
 }
 
 impl Executor {
-    /// Copy streams are used only on a CUDA pool and when asked for; layer-wise loads only with copy streams; the
-    /// launcher thread (`copy_thread`) only with copy streams and where the driver has stream memory operations.
+    /// Copy streams are used only on a CUDA pool and when asked for; layer-wise loads only with copy streams.
     pub fn new(
         pages: PageCopier,
         parts: Option<PageCopier>,
         states: Option<PageCopier>,
         copy_streams: bool,
         layerwise_loads: bool,
-        copy_thread: bool,
     ) -> Result<Self> {
         let device = pages.pool().device;
         if let Some(p) = &parts {
@@ -299,14 +74,7 @@ impl Executor {
             }
             _ => None,
         };
-        let launcher = match device {
-            Some(d) if streams.is_some() && copy_thread && cuda::stream_flags_supported() => {
-                Some(Launcher::new(d, &pages, parts.as_ref())?)
-            }
-            _ => None,
-        };
         Ok(Self {
-            launcher,
             queue: CompletionQueue::new(device)?,
             layerwise: layerwise_loads && streams.is_some(),
             streams,
@@ -320,14 +88,6 @@ impl Executor {
     /// Installs a fault seam (tests and the soak): see `CopyFault`.
     pub fn set_copy_fault(&mut self, fault: Option<CopyFault>) {
         self.fault = fault;
-    }
-
-    /// Fault tests: the launcher thread fails the `n`-th copy job sent from now (0: none), as a failed launch off
-    /// the engine loop does: the call that sent it has returned, and the executor becomes unusable.
-    pub fn set_launch_fault(&mut self, n: u64) -> Result<()> {
-        let l = self.launcher.as_ref().ok_or_else(|| invalid("this cache launches its copies without a thread"))?;
-        l.set_fault(n);
-        Ok(())
     }
 
     /// Switches layer-wise loads on or off between loads (they need copy streams).
@@ -383,84 +143,41 @@ impl Executor {
     }
 
     /// GPU blocks to host slots, after the engine's work enqueued so far; the engine does not wait.
-    pub fn store_pages(&mut self, gpu_ids: &[i32], host_slots: &[i32], request_id: &str, engine: u64) -> Result<()> {
-        self.usable()?;
+    pub fn store_pages(&mut self, gpu_ids: &[i32], host_slots: &[i32], request_id: &str, engine: u64) -> Result<Used> {
         self.pages.validate(Direction::ToHost, gpu_ids, host_slots)?;
         self.inject()?;
         let all = 0..self.pages.pool().layers.len();
         let Some(s) = &mut self.streams else {
-            return self.pages.launch(Direction::ToHost, gpu_ids, host_slots, engine, all).map(drop);
+            return self.pages.launch(Direction::ToHost, gpu_ids, host_slots, engine, all);
         };
         s.order.before_store(engine)?;
-        let d2h = s.order.d2h();
-        match &mut self.launcher {
-            Some(l) => {
-                let v =
-                    l.submit(0, Copier::Pages, Direction::ToHost, gpu_ids, host_slots, d2h, std::iter::once(all))?;
-                l.after_send(l.wait(0, v[0], d2h).and_then(|()| s.order.after_store(gpu_ids, request_id)))
-            }
-            None => {
-                self.pages.launch(Direction::ToHost, gpu_ids, host_slots, d2h, all)?;
-                s.order.after_store(gpu_ids, request_id)
-            }
-        }
+        let used = self.pages.launch(Direction::ToHost, gpu_ids, host_slots, s.order.d2h(), all)?;
+        s.order.after_store(gpu_ids, request_id)?;
+        Ok(used)
     }
 
     /// Host slots to GPU blocks, after the blocks' previous users; the engine's stream waits for them before its
     /// next kernels (whole loads), or a layer part at a time in `wait_layer` (layer-wise loads).
-    pub fn load_pages(&mut self, host_slots: &[i32], gpu_ids: &[i32], engine: u64) -> Result<()> {
-        self.usable()?;
+    pub fn load_pages(&mut self, host_slots: &[i32], gpu_ids: &[i32], engine: u64) -> Result<Used> {
         self.pages.validate(Direction::ToGpu, gpu_ids, host_slots)?;
         self.inject()?;
         let all = 0..self.pages.pool().layers.len();
         let Some(s) = &mut self.streams else {
-            return self.pages.launch(Direction::ToGpu, gpu_ids, host_slots, engine, all).map(drop);
+            return self.pages.launch(Direction::ToGpu, gpu_ids, host_slots, engine, all);
         };
         s.order.before_load(gpu_ids, engine)?;
-        let h2d = s.order.h2d();
         if !self.layerwise {
-            return match &mut self.launcher {
-                Some(l) => {
-                    let v =
-                        l.submit(1, Copier::Pages, Direction::ToGpu, gpu_ids, host_slots, h2d, std::iter::once(all))?;
-                    l.after_send(l.wait(1, v[0], h2d).and_then(|()| s.order.after_load(engine)))
-                }
-                None => {
-                    self.pages.launch(Direction::ToGpu, gpu_ids, host_slots, h2d, all)?;
-                    s.order.after_load(engine)
-                }
-            };
+            let used = self.pages.launch(Direction::ToGpu, gpu_ids, host_slots, s.order.h2d(), all)?;
+            s.order.after_load(engine)?;
+            return Ok(used);
         }
-        let (copier, by_layer) = match &self.parts {
-            Some(p) => (Copier::Parts, p),
-            None => (Copier::Pages, &self.pages),
-        };
-        let n = by_layer.pool().layers.len();
-        match &mut self.launcher {
-            Some(l) => {
-                let values =
-                    l.submit(1, copier, Direction::ToGpu, gpu_ids, host_slots, h2d, (0..n).map(|i| i..i + 1))?;
-                let ordered = values.into_iter().enumerate().try_for_each(|(layer, v)| {
-                    l.wait(1, v, h2d)?;
-                    s.order.after_load_layer(layer)
-                });
-                l.after_send(ordered)
-            }
-            None => (0..n).try_for_each(|layer| {
-                by_layer.launch(Direction::ToGpu, gpu_ids, host_slots, h2d, layer..layer + 1)?;
-                s.order.after_load_layer(layer)
-            }),
+        let by_layer = self.parts.as_ref().unwrap_or(&self.pages);
+        let mut used = Used::Memcpy;
+        for layer in 0..by_layer.pool().layers.len() {
+            used = by_layer.launch(Direction::ToGpu, gpu_ids, host_slots, s.order.h2d(), layer..layer + 1)?;
+            s.order.after_load_layer(layer)?;
         }
-    }
-
-    /// The first failure of a copy launched off the engine loop, as an error (the executor is then unusable).
-    fn usable(&self) -> Result<()> {
-        self.launcher.as_ref().map_or(Ok(()), Launcher::failed)
-    }
-
-    /// Whether the copies of copy streams are launched by the executor's own thread.
-    pub fn copy_thread(&self) -> bool {
-        self.launcher.is_some()
+        Ok(used)
     }
 
     /// Staging rows to host state slots, on the engine's stream (the engine's kernels filled the rows).
@@ -550,11 +267,7 @@ impl Executor {
         if let Some(s) = &mut self.streams {
             s.order.poll()?;
         }
-        let done = self.queue.poll()?;
-        // After the queue: a ticket's event completes only after its launches' flags were written, and a launch
-        // records its failure before writing its flag.
-        self.usable()?;
-        Ok(done)
+        self.queue.poll()
     }
 
     /// Copies launched and not yet retired.
@@ -564,11 +277,6 @@ impl Executor {
 
     /// Blocks until every copy has completed (closing); returns the tickets not yet polled.
     pub fn wait_all(&mut self) -> Result<Vec<u64>> {
-        if let Some(l) = &self.launcher {
-            l.flush();
-        }
-        let done = self.queue.wait_all()?;
-        self.usable()?;
-        Ok(done)
+        self.queue.wait_all()
     }
 }

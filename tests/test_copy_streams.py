@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from conftest import tiny_engine
-from kvtier import CopyError
 from kvtier.copy import CopyEvent, CopyStream, HostPool, PageCopier, dma_supported, host_array, layer_views
 from kvtier.deepinfer import Cache
 from kvtier.settings import CacheSettings
@@ -62,33 +61,26 @@ class NoLayerWaits(SlowCopies):
 
 
 COMBOS = [
-    # copy_streams, copy_method, layerwise_loads, copy_thread
-    (False, "kernel", False, True),
-    (True, "kernel", False, True),
-    (True, "dma", False, True),
-    (True, "auto", False, True),
-    (True, "kernel", True, True),
-    (True, "dma", True, True),
-    (True, "auto", True, True),
-    (True, "auto", False, False),
-    (True, "auto", True, False),
+    # copy_streams, copy_method, layerwise_loads
+    (False, "kernel", False),
+    (True, "kernel", False),
+    (True, "dma", False),
+    (True, "auto", False),
+    (True, "kernel", True),
+    (True, "dma", True),
+    (True, "auto", True),
 ]
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("layout", ["page-first", "layer-first"])
-@pytest.mark.parametrize("streams,method,layerwise,thread", COMBOS)
-def test_outputs_identical_with_held_back_copies(
-    layout: str, streams: bool, method: str, layerwise: bool, thread: bool
-) -> None:
+@pytest.mark.parametrize("streams,method,layerwise", COMBOS)
+def test_outputs_identical_with_held_back_copies(layout: str, streams: bool, method: str, layerwise: bool) -> None:
     kw = dict(device="cuda", dtype="bfloat16")
     off = WORK.run(engine(layout, **kw))
     e = engine(layout, **kw)
-    cache = SlowCopies(
-        e, 2_000_000, copy_streams=streams, copy_method=method, layerwise_loads=layerwise, copy_thread=thread
-    )
-    assert cache.cache.core.copy_thread == (streams and thread)
+    cache = SlowCopies(e, 2_000_000, copy_streams=streams, copy_method=method, layerwise_loads=layerwise)
     assert WORK.run(e) == off
     s = cache.stats_dict()
     assert s["hits"] > 0 and s["errors"] == 0 and s["deferred"] > 0, s
@@ -226,37 +218,6 @@ def test_store_does_not_hold_the_engine_stream_and_release_orders_reuse() -> Non
     cache.poll()
     assert cache.stats_dict()["copies_in_flight"] == 0
     cache.close()
-
-
-@pytest.mark.gpu
-@cuda
-def test_a_launch_failing_off_the_loop_stalls_nothing_and_every_later_call_raises() -> None:
-    """A copy job the copy thread fails after the call returned: the copy streams' waits are still released (the
-    engine's stream, waiting for the load, runs on), every later call of the core raises the failure (the cache
-    counts it as its own error), and close raises it too but still frees the host pool."""
-    e = engine("layer-first", device="cuda", layer_pattern="F", num_gpu_blocks=64)
-    cache = Cache(e, size_bytes=8 << 20, preallocate=True).cache
-    assert cache.core.copy_thread
-    prompt = list(range(1, 97))
-    cache.store("a", prompt, list(range(10, 16)))
-    torch.cuda.synchronize()
-    cache.poll()
-    cache.forget("a")
-    cache.core.set_launch_fault(1)
-    hit = cache.resume("b", prompt, allocate=lambda: list(range(20, 26)))
-    assert hit > 0  # the call returned; its copies fail on the copy thread
-    mark = torch.cuda.Event()
-    mark.record()  # after the engine's stream waited for the (failed) load
-    mark.synchronize()  # returns: the flag was written though nothing was copied
-    with pytest.raises(CopyError, match="off the engine loop.*injected launch fault"):
-        cache.core.poll()
-    with pytest.raises(CopyError, match="injected launch fault"):
-        cache.core.store("c", list(range(300, 396)), list(range(30, 36)))
-    cache.poll()  # the cache's own call: logged and counted, not raised into the engine
-    assert cache.stats()["errors"] == 1
-    with pytest.raises(CopyError, match="injected launch fault"):
-        cache.close()
-    assert cache.closed
 
 
 def test_cpu_path_same_api() -> None:

@@ -151,7 +151,6 @@ class HostPrefixCache:
             states=state_copier.core if state_copier is not None else None,
             copy_streams=s.copy_streams,
             layerwise_loads=s.layerwise_loads,
-            copy_thread=s.copy_thread,
             select_state=select_state,
             load_state=load_state,
             staging_rows=list(staging) if staging is not None else None,
@@ -413,14 +412,12 @@ class HostPrefixCache:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._core.drain()  # raises a copy failure it finds, after waiting for every copy
-        finally:
-            # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
-            free = self._l3 is None or self._l3.close()
-            if not free:
-                log.warning("the L3 store did not stop in time; the host pools are not freed")
-            self._host.close(free=free)
+        self._core.drain()
+        # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
+        free = self._l3 is None or self._l3.close()
+        if not free:
+            log.warning("the L3 store did not stop in time; the host pools are not freed")
+        self._host.close(free=free)
 
     @property
     def disabled(self) -> bool:

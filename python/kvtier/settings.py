@@ -263,12 +263,6 @@ REGISTRY: tuple[Setting, ...] = (
     S("copy_crossover_bytes", BYTES, 64 << 10, "piece size from which `auto` takes the copy engine", minimum=16),
     S("copy_streams", BOOL, True, "copies on kvtier's own streams ordered by events; false: on the engine's stream"),
     S("layerwise_loads", BOOL, False, "loads issued layer by layer; the engine calls `wait_layer(l)` before layer l"),
-    S(
-        "copy_thread",
-        BOOL,
-        True,
-        "copy-stream copies launched by the cache's own thread, off the engine loop; false: by the engine-loop call",
-    ),
 )
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in REGISTRY}
 

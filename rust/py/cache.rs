@@ -230,7 +230,7 @@ impl PyCache {
 
     #[new]
     #[pyo3(signature = (index, pages, *, parts=None, states=None, copy_streams=true, layerwise_loads=false,
-        copy_thread=true, select_state=None, load_state=None, staging_rows=None))]
+        select_state=None, load_state=None, staging_rows=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
@@ -239,7 +239,6 @@ impl PyCache {
         states: Option<&PyPageCopier>,
         copy_streams: bool,
         layerwise_loads: bool,
-        copy_thread: bool,
         select_state: Option<Py<PyAny>>,
         load_state: Option<Py<PyAny>>,
         staging_rows: Option<Py<PyAny>>,
@@ -252,7 +251,6 @@ impl PyCache {
             states.map(PyPageCopier::copier),
             copy_streams,
             layerwise_loads,
-            copy_thread,
         )
         .map_err(to_py)?;
         let inner = Cache::new(shared, exec).map_err(to_py)?;
@@ -273,11 +271,6 @@ impl PyCache {
     #[getter]
     fn copy_streams(&self) -> bool {
         self.cache().executor().copy_streams()
-    }
-    /// Whether the copies of the copy streams are launched by the cache's own thread, off the engine loop.
-    #[getter]
-    fn copy_thread(&self) -> bool {
-        self.cache().executor().copy_thread()
     }
     #[getter]
     fn layerwise_loads(&self) -> bool {
@@ -301,12 +294,6 @@ impl PyCache {
     #[getter]
     fn copies_in_flight(&self) -> usize {
         self.cache().executor().pending()
-    }
-
-    /// Fault tests: the copy thread fails the `n`-th copy job sent from now (0: none), after the call that sent it
-    /// returned; the cache's later calls raise the failure.
-    fn set_launch_fault(&self, n: u64) -> PyResult<()> {
-        self.cache().executor().set_launch_fault(n).map_err(to_py)
     }
 
     /// Switches layer-wise loads on or off between loads (they need copy streams).

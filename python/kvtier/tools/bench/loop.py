@@ -6,11 +6,6 @@ each length in ``--tokens``: per repetition a fresh prompt is stored (``store``,
 plans and enqueues the copies, and returns), the copies are waited for and retired (``poll``), then the prompt
 is resumed under a new request id (``resume``: lookup, allocation, the loads enqueued). The time of each call is
 the host's; the copies themselves run on kvtier's streams after it returns. Reported: median and maximum per call.
-
-``--copy-threads on,off`` runs each configuration with the copies launched by the cache's thread (the default) and
-by the engine-loop call. While the thread launches, the engine's own launches may contend with it in the driver:
-``launch_*`` is the host time of 64 small kernel launches on the engine's stream right after the store or resume
-returned, against the same launches with nothing in flight (``launch_idle``).
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from typing import Any
 import numpy as np
 
 LAYOUTS = ("layer-first", "page-first")
-CALLS = ("store", "poll", "resume", "launch_idle", "launch_after_store", "launch_after_resume")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,7 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-size", type=at_least(1), default=64, help="tokens a block")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="layer-first and/or page-first")
     ap.add_argument("--methods", default="auto", help="copy_method values, comma-separated (auto, kernel, dma)")
-    ap.add_argument("--copy-threads", default="on,off", help="copy_thread values, comma-separated (on, off)")
     ap.add_argument("--reps", type=at_least(1), default=7, help="repetitions a configuration")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row")
     a = ap.parse_args(argv)
@@ -51,9 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = a.methods.split(",")
     if any(m not in ("auto", "kernel", "dma") for m in methods):
         ap.error(f"--methods: each must be one of auto, kernel, dma, got {a.methods!r}")
-    threads = a.copy_threads.split(",")
-    if any(t not in ("on", "off") for t in threads):
-        ap.error(f"--copy-threads: each must be on or off, got {a.copy_threads!r}")
     import torch
 
     if not torch.cuda.is_available():
@@ -63,20 +53,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for layout in layouts:
         for tokens in a.tokens:
             for method in methods:
-                for thread in threads:
-                    row = run(a, layout, tokens, method, thread == "on")
-                    rows.append(row)
-                    print(json.dumps(row) if a.json else _line(row), flush=True)
+                row = run(a, layout, tokens, method)
+                rows.append(row)
+                print(json.dumps(row) if a.json else _line(row), flush=True)
     return 0
 
 
 def _line(r: dict[str, Any]) -> str:
-    calls = "  ".join(f"{c} {r[c + '_ms_p50']:.3f}/{r[c + '_ms_max']:.3f} ms" for c in CALLS)
-    thread = "thread" if r["copy_thread"] else "inline"
-    return f"{r['layout']:<11} {r['tokens']:>6} tokens  {r['method']:<6} {thread:<6}  {calls}  (median/max)"
+    calls = "  ".join(f"{c} {r[c + '_ms_p50']:.3f}/{r[c + '_ms_max']:.3f} ms" for c in ("store", "poll", "resume"))
+    return f"{r['layout']:<11} {r['tokens']:>6} tokens  {r['method']:<6}  {calls}  (median/max)"
 
 
-def run(a: Any, layout: str, tokens: int, method: str, copy_thread: bool) -> dict[str, Any]:
+def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     import torch
 
     from kvtier.cache import HostPrefixCache
@@ -95,14 +83,10 @@ def run(a: Any, layout: str, tokens: int, method: str, copy_thread: bool) -> dic
         host_bytes=(blocks + 1) * a.layers * layer_bytes,
         preallocate=True,
         copy_method=method,
-        copy_thread=copy_thread,
         hash_key="kvtier bench loop",
     )
-    if cache.core.copy_thread != copy_thread:
-        raise SystemExit(f"kvtier bench loop: copy_thread={copy_thread} is not available here")
     table = np.arange(n_blocks, dtype=np.int32)
-    times: dict[str, list[float]] = {c: [] for c in CALLS}
-    scratch = torch.zeros(1024, device="cuda")
+    times: dict[str, list[float]] = {"store": [], "poll": [], "resume": []}
     rng = np.random.default_rng(0)
 
     def timed(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -111,24 +95,14 @@ def run(a: Any, layout: str, tokens: int, method: str, copy_thread: bool) -> dic
         times[name].append(time.perf_counter() - t0)
         return out
 
-    def launches(name: str) -> None:
-        t0 = time.perf_counter()
-        for _ in range(64):
-            scratch.add_(1)
-        times[name].append(time.perf_counter() - t0)
-
     try:
         for rep in range(a.reps + 1):  # the first repetition warms up and is not counted
             prompt = rng.integers(0, 100_000, size=tokens + 1, dtype=np.int32)
-            torch.cuda.synchronize()
-            launches("launch_idle")
             timed("store", cache.store, f"s{rep}", prompt, table)
-            launches("launch_after_store")
             torch.cuda.synchronize()
             timed("poll", cache.poll)
             cache.forget(f"s{rep}")
             hit = timed("resume", cache.resume, f"r{rep}", prompt, allocate=lambda: table)
-            launches("launch_after_resume")
             torch.cuda.synchronize()
             cache.poll()
             cache.forget(f"r{rep}")
@@ -140,13 +114,7 @@ def run(a: Any, layout: str, tokens: int, method: str, copy_thread: bool) -> dic
         stats = cache.stats()
     finally:
         cache.close()
-    row: dict[str, Any] = {
-        "layout": layout,
-        "tokens": tokens,
-        "method": method,
-        "copy_thread": copy_thread,
-        "reps": a.reps,
-    }
+    row: dict[str, Any] = {"layout": layout, "tokens": tokens, "method": method, "reps": a.reps}
     for name, v in times.items():
         row[name + "_ms_p50"] = round(statistics.median(v) * 1e3, 3)
         row[name + "_ms_max"] = round(max(v) * 1e3, 3)
