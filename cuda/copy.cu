@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <new>
+#include <vector>
 
 #include "copy.h"
 
@@ -270,6 +272,50 @@ extern "C" int kvtier_memcpy_batch(int device, void* const* dsts, const void* co
   return err;
 #else
   (void)device; (void)dsts; (void)srcs; (void)sizes; (void)stream; (void)debug_sync;
+  return cudaErrorNotSupported;
+#endif
+}
+
+extern "C" int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size_t n, int to_host, void* stream,
+                                      int debug_sync) {
+  if (n == 0) return cudaSuccess;
+#if CUDART_VERSION >= 12080
+  int err = set_device(device);
+  if (err != cudaSuccess) return err;
+  auto s = static_cast<cudaStream_t>(stream);
+  std::vector<cudaMemcpy3DBatchOp> list;
+  try {
+    list.resize(n);
+  } catch (const std::bad_alloc&) {
+    return cudaErrorMemoryAllocation;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const kvtier_copy2d& c = ops[i];
+    cudaMemcpy3DOperand dev, host;
+    std::memset(&dev, 0, sizeof(dev));
+    std::memset(&host, 0, sizeof(host));
+    dev.type = host.type = cudaMemcpyOperandTypePointer;
+    dev.op.ptr.ptr = reinterpret_cast<void*>(c.dev);
+    dev.op.ptr.rowLength = c.height > 1 ? c.dev_pitch : 0;  // elements of one byte; 0: rows packed
+    host.op.ptr.ptr = reinterpret_cast<void*>(c.host);
+    cudaMemcpy3DBatchOp& op = list[i];
+    std::memset(&op, 0, sizeof(op));
+    op.src = to_host ? dev : host;
+    op.dst = to_host ? host : dev;
+    op.extent = make_cudaExtent(c.width, c.height, 1);
+    op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  }
+#if CUDART_VERSION >= 13000
+  err = cudaMemcpy3DBatchAsync(n, list.data(), 0, s);
+#else
+  size_t fail = 0;
+  err = cudaMemcpy3DBatchAsync(n, list.data(), &fail, 0, s);
+#endif
+  if (err == cudaSuccess && debug_sync) err = cudaStreamSynchronize(s);
+  return err;
+#else
+  (void)device; (void)ops; (void)to_host; (void)stream; (void)debug_sync;
   return cudaErrorNotSupported;
 #endif
 }

@@ -76,6 +76,20 @@ int kvtier_cuda_dma_supported(void);
 int kvtier_memcpy_batch(int device, void* const* dsts, const void* const* srcs, const size_t* sizes, size_t n,
                         void* stream, int debug_sync);
 
+// One 2D copy between a GPU pool and a host page: `height` rows of `width` bytes, a row `dev_pitch` bytes after the
+// previous one on the GPU side and right after it on the host side (a page's segments of evenly spaced layers).
+typedef struct {
+  uint64_t dev;
+  uint64_t host;
+  uint64_t width;
+  uint64_t height;
+  uint64_t dev_pitch;
+} kvtier_copy2d;
+
+// One cudaMemcpy3DBatchAsync of n 2D copies, device to host when to_host, on `stream` of `device` in stream order,
+// with the hint to overlap with compute; otherwise as kvtier_memcpy_batch.
+int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size_t n, int to_host, void* stream, int debug_sync);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::cuda::{self, Event, Launch, Layer};
+use crate::cuda::{self, Copy2d, Event, Launch, Layer};
 use crate::error::{invalid, Error, Result};
 use crate::hostmem::HostPool;
 
@@ -121,6 +121,38 @@ pub struct PageCopier {
     host: Arc<HostPool>,
     opts: CopyOptions,
     dma: bool,
+    runs: Vec<LayerRun>,
+}
+
+/// Consecutive layers whose tensors are evenly spaced (`spacing` bytes from one base to the next) with one block
+/// stride: a page's segments of these layers are the rows of one 2D copy, back to back in the host page and
+/// `spacing` apart on the GPU. The copy engine then takes one piece a page and run instead of one a page and layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LayerRun {
+    layers: Range<usize>,
+    spacing: u64,
+}
+
+/// The layer runs of a pool's layers, in order (single layers where no spacing repeats).
+fn layer_runs(layers: &[Layer], segment_bytes: u64) -> Vec<LayerRun> {
+    let step = |i: usize| {
+        let (a, b) = (layers[i], layers[i + 1]);
+        (b.base > a.base && b.base - a.base >= segment_bytes && a.stride == b.stride).then(|| b.base - a.base)
+    };
+    let mut runs = Vec::new();
+    let mut start = 0;
+    while start < layers.len() {
+        let mut end = start + 1;
+        let spacing = if end < layers.len() { step(start) } else { None };
+        if let Some(d) = spacing {
+            while end < layers.len() && step(end - 1) == Some(d) {
+                end += 1;
+            }
+        }
+        runs.push(LayerRun { layers: start..end, spacing: spacing.unwrap_or(0) });
+        start = end;
+    }
+    runs
 }
 
 impl PageCopier {
@@ -176,7 +208,8 @@ impl PageCopier {
             }
         }
         let dma = pool.device.is_some() && cuda::dma_supported();
-        Ok(Self { pool, host, opts, dma })
+        let runs = layer_runs(&pool.layers, pool.segment_bytes);
+        Ok(Self { pool, host, opts, dma, runs })
     }
 
     pub fn pool(&self) -> &GpuPool {
@@ -189,6 +222,11 @@ impl PageCopier {
 
     pub fn options(&self) -> &CopyOptions {
         &self.opts
+    }
+
+    /// The pool's layers as runs of evenly spaced tensors (see `LayerRun`), in order.
+    pub fn layer_runs(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.runs.iter().map(|r| r.layers.clone())
     }
 
     /// Whether the copy engine path can run here (a CUDA pool, CUDA 12.8+ runtime and driver).
@@ -316,6 +354,14 @@ impl PageCopier {
         stream: u64,
         layers: Range<usize>,
     ) -> Result<()> {
+        let rows = |r: &LayerRun| r.layers.end.min(layers.end).saturating_sub(r.layers.start.max(layers.start));
+        if self.runs.iter().any(|r| rows(r) > 1) {
+            let ops = self.dma_ops(gpu_ids, host_slots, layers);
+            // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
+            return unsafe {
+                cuda::memcpy_2d_batch(device, &ops, dir == Direction::ToHost, stream, self.opts.debug_sync)
+            };
+        }
         let Pieces { dev, host, size } = self.dma_pieces(gpu_ids, host_slots, layers);
         let (srcs, dsts) = match dir {
             Direction::ToHost => (dev, host),
@@ -351,6 +397,49 @@ impl PageCopier {
             }
         }
         pieces
+    }
+
+    /// The copy engine's 2D copies of a batch, for a pool with layer runs: one a page and run (its segments of
+    /// `layers`), cut where the host page crosses a pin step: the rows before the step, the row across it in
+    /// pieces, the rows after.
+    fn dma_ops(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Vec<Copy2d> {
+        let seg = self.pool.segment_bytes;
+        let host_base = self.host.base_ptr();
+        let slot_bytes = self.host.slot_bytes();
+        let step = self.host.step_bytes();
+        let mut ops = Vec::with_capacity(gpu_ids.len() * self.runs.len());
+        for (&g, &h) in gpu_ids.iter().zip(host_slots) {
+            for run in &self.runs {
+                let (mut l, end) = (run.layers.start.max(layers.start), run.layers.end.min(layers.end));
+                while l < end {
+                    let layer = self.pool.layers[l];
+                    let dev = layer.base + g as u64 * layer.stride;
+                    let off = h as u64 * slot_bytes + l as u64 * seg;
+                    let to_step = (off / step + 1) * step - off;
+                    let rows = (to_step / seg).min((end - l) as u64);
+                    if rows > 0 {
+                        ops.push(Copy2d {
+                            dev,
+                            host: host_base + off,
+                            width: seg,
+                            height: rows,
+                            dev_pitch: run.spacing,
+                        });
+                        l += rows as usize;
+                        continue;
+                    }
+                    let mut done = 0; // the row crosses a step: one piece a step it touches
+                    while done < seg {
+                        let width = (step - (off + done) % step).min(seg - done);
+                        let host = host_base + off + done;
+                        ops.push(Copy2d { dev: dev + done, host, width, height: 1, dev_pitch: 0 });
+                        done += width;
+                    }
+                    l += 1;
+                }
+            }
+        }
+        ops
     }
 
     /// Checks a batch before anything is copied: equal lengths, every id inside its pool (host slots below the
@@ -583,6 +672,58 @@ mod tests {
         assert_eq!(p.size, vec![1536, 1536, 1024, 512]);
         assert_eq!(p.dev, vec![base, base + 5 * 1536, base + 9 * 1536, base + 9 * 1536 + 1024]);
         drop(mem);
+    }
+
+    #[test]
+    fn layer_runs_need_one_spacing_one_stride_and_room_for_a_segment() {
+        let l = |base, stride| Layer { base, stride };
+        let runs = layer_runs(&[l(0x1000, 64), l(0x2000, 64), l(0x3000, 64), l(0x9000, 64), l(0xa000, 32)], 32);
+        let got: Vec<_> = runs.iter().map(|r| (r.layers.clone(), r.spacing)).collect();
+        assert_eq!(got, vec![(0..3, 0x1000), (3..4, 0), (4..5, 0)]); // 0x9000 -> 0xa000 changes the stride
+        let runs = layer_runs(&[l(0x3000, 64), l(0x2000, 64), l(0x1000, 64)], 32); // decreasing: no 2D copy
+        assert!(runs.iter().all(|r| r.layers.len() == 1));
+        let runs = layer_runs(&[l(0x1000, 64), l(0x1010, 64), l(0x1020, 64)], 32); // 16 bytes apart: rows overlap
+        assert!(runs.iter().all(|r| r.layers.len() == 1));
+        let runs = layer_runs(&[l(0x1000, 96), l(0x1020, 96), l(0x1040, 96)], 32); // page-first layer parts
+        assert_eq!(runs, vec![LayerRun { layers: 0..3, spacing: 32 }]);
+    }
+
+    #[test]
+    fn dma_ops_are_a_page_a_run_cut_at_pin_steps() {
+        // Four layers of 1536-byte segments: three evenly spaced, a fourth elsewhere; 6144-byte host pages, 8192-byte
+        // pin steps. Nothing is copied: the addresses are only arithmetic.
+        let layers = vec![
+            Layer { base: 0x10000, stride: 1536 },
+            Layer { base: 0x20000, stride: 1536 },
+            Layer { base: 0x30000, stride: 1536 },
+            Layer { base: 0x90000, stride: 1536 },
+        ];
+        let host = Arc::new(HostPool::new(4, 6144, 8192, Some(false)).unwrap());
+        host.grow_to(4).unwrap();
+        let pool = GpuPool { layers, num_blocks: 8, segment_bytes: 1536, device: None };
+        // SAFETY: no copy is made.
+        let c = unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions::default()).unwrap() };
+        let hb = host.base_ptr();
+        let op = |dev, host: u64, width, height, dev_pitch| Copy2d { dev, host: hb + host, width, height, dev_pitch };
+        // Slot 0 lies inside the first step: one copy of three rows, one of the fourth layer.
+        assert_eq!(
+            c.dma_ops(&[2], &[0], 0..4),
+            vec![op(0x10000 + 2 * 1536, 0, 1536, 3, 0x10000), op(0x90000 + 2 * 1536, 4608, 1536, 1, 0)]
+        );
+        // Slot 1 (6144..12288) crosses the step at 8192 inside layer 1's segment (7680..9216).
+        let d = 1536;
+        assert_eq!(
+            c.dma_ops(&[1], &[1], 0..4),
+            vec![
+                op(0x10000 + d, 6144, 1536, 1, 0x10000),
+                op(0x20000 + d, 7680, 512, 1, 0),
+                op(0x20000 + d + 512, 8192, 1024, 1, 0),
+                op(0x30000 + d, 9216, 1536, 1, 0x10000),
+                op(0x90000 + d, 10752, 1536, 1, 0),
+            ]
+        );
+        // Some layers only: the run is cut to them.
+        assert_eq!(c.dma_ops(&[0], &[0], 1..3), vec![op(0x20000, 1536, 1536, 2, 0x10000)]);
     }
 
     #[test]

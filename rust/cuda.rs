@@ -45,6 +45,14 @@ mod ffi {
         pub fn kvtier_cuda_stream_create(device: i32, stream: *mut *mut c_void) -> i32;
         pub fn kvtier_cuda_stream_destroy(stream: *mut c_void) -> i32;
         pub fn kvtier_cuda_dma_supported() -> i32;
+        pub fn kvtier_memcpy_2d_batch(
+            device: i32,
+            ops: *const super::Copy2d,
+            n: usize,
+            to_host: i32,
+            stream: *mut c_void,
+            debug_sync: i32,
+        ) -> i32;
         pub fn kvtier_memcpy_batch(
             device: i32,
             dsts: *const *mut c_void,
@@ -216,6 +224,43 @@ pub unsafe fn memcpy_batch(
     #[cfg(not(kvtier_cuda))]
     {
         let _ = (device, dsts, srcs, sizes, stream, debug_sync);
+        not_compiled()
+    }
+}
+
+/// One 2D copy (`kvtier_copy2d` in cuda/copy.h): `height` rows of `width` bytes, `dev_pitch` bytes apart on the GPU
+/// side and back to back on the host side.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Copy2d {
+    pub dev: u64,
+    pub host: u64,
+    pub width: u64,
+    pub height: u64,
+    pub dev_pitch: u64,
+}
+
+/// One copy-engine batch of 2D copies (cudaMemcpy3DBatchAsync), device to host when `to_host`, on `stream` (not the
+/// legacy default stream).
+///
+/// # Safety
+/// Every row of every copy must be valid device-accessible memory until the copies complete on the stream.
+pub unsafe fn memcpy_2d_batch(device: i32, ops: &[Copy2d], to_host: bool, stream: u64, debug_sync: bool) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    {
+        let code = ffi::kvtier_memcpy_2d_batch(
+            device,
+            ops.as_ptr(),
+            ops.len(),
+            i32::from(to_host),
+            stream as *mut c_void,
+            i32::from(debug_sync),
+        );
+        check(code, "cudaMemcpy3DBatchAsync")
+    }
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (device, ops, to_host, stream, debug_sync);
         not_compiled()
     }
 }

@@ -104,12 +104,14 @@ def test_without_wait_layer_the_model_reads_too_early(layout: str) -> None:
 
 
 def _pools(
-    layers: int, segment: int, blocks: int, slots: int, seed: int, views: bool = False
+    layers: int, segment: int, blocks: int, slots: int, seed: int, views: bool = False, one: bool = False
 ) -> tuple[list[torch.Tensor], HostPool]:
     """Random layer tensors and a pinned host pool of their pages; ``views``: the layer parts of one page-first
-    tensor (``layer_views``) instead of separate tensors."""
+    tensor (``layer_views``) instead of separate tensors; ``one``: the layers of one layer-first tensor."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    if views:
+    if one:
+        pool = list(torch.randint(0, 256, (layers, blocks, segment), dtype=torch.uint8, device="cuda", generator=gen))
+    elif views:
         pages = torch.randint(0, 256, (blocks, layers * segment), dtype=torch.uint8, device="cuda", generator=gen)
         pool = layer_views(pages, layers)
     else:
@@ -129,16 +131,19 @@ def _page(pool, block: int) -> np.ndarray:  # type: ignore[no-untyped-def]
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(
-    "layers,segment,views",
-    [(1, 256 << 10, False), (1, 48 << 10, False), (1, 4096, False), (5, 64 << 10, False), (3, 272, False)]
-    + [(4, 32 << 10, True), (61, 272, True)],  # the layer parts of a page-first pool
+    "layers,segment,alloc",
+    [(1, 256 << 10, ""), (1, 48 << 10, ""), (1, 4096, ""), (5, 64 << 10, ""), (3, 272, "")]
+    + [(4, 32 << 10, "views"), (61, 272, "views")]  # the layer parts of a page-first pool
+    + [(32, 256 << 10, "one"), (5, 64 << 10, "one"), (3, 272, "one")],  # evenly spaced layers: 2D copies
 )
 @pytest.mark.parametrize("method", ["dma", "kernel", "auto"])
-def test_methods_exact_whole_and_per_layer(layers: int, segment: int, views: bool, method: str) -> None:
+def test_methods_exact_whole_and_per_layer(layers: int, segment: int, alloc: str, method: str) -> None:
     rng = np.random.default_rng(layers + segment)
     num_blocks, slots, n = 48, 40, 24
-    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers, views=views)
+    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers, views=alloc == "views", one=alloc == "one")
     copier = PageCopier(pool[0] if layers == 1 else pool, host, method=method)
+    if alloc:
+        assert copier.layer_runs == [(0, layers)]
     stream = CopyStream(torch.cuda.current_device())
     hv = host_array(host)
     hv[:] = 0xA5

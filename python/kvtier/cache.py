@@ -193,6 +193,12 @@ class HostPrefixCache:
         return self._host.pages, self._host.states
 
     @property
+    def layer_runs(self) -> list[tuple[int, int]]:
+        """The GPU pool's layer tensors as runs of evenly spaced tensors (``kvtier.copy.PageCopier.layer_runs``):
+        the copy engine moves a page's segments of one run as one piece."""
+        return self._copiers[0].layer_runs
+
+    @property
     def core(self) -> CoreCache:
         """The core's cache: what each engine call crosses into once (its copy streams, layer parts, blocks)."""
         return self._core

@@ -233,6 +233,13 @@ class PageCopier:
         return self._core.dma_available
 
     @property
+    def layer_runs(self) -> list[tuple[int, int]]:
+        """The layer tensors as runs ``(start, end)`` of evenly spaced tensors with one block stride: the copy
+        engine copies a page's segments of a run as one 2D piece, so an engine that allocates its layers in one
+        tensor (or back to back) costs one piece a page, not one a page and layer."""
+        return self._core.layer_runs
+
+    @property
     def cuda_index(self) -> int | None:
         """The CUDA device index of the pool, None for a CPU pool."""
         return self._cuda_index

@@ -232,6 +232,13 @@ impl PyPageCopier {
         self.inner.page_bytes()
     }
 
+    /// The pool's layers as runs `(start, end)` of evenly spaced tensors: the copy engine copies a page's segments
+    /// of one run as one 2D piece.
+    #[getter]
+    fn layer_runs(&self) -> Vec<(usize, usize)> {
+        self.inner.layer_runs().map(|r| (r.start, r.end)).collect()
+    }
+
     #[getter]
     fn num_layers(&self) -> usize {
         self.inner.pool().layers.len()

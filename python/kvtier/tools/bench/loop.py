@@ -6,6 +6,10 @@ each length in ``--tokens``: per repetition a fresh prompt is stored (``store``,
 plans and enqueues the copies, and returns), the copies are waited for and retired (``poll``), then the prompt
 is resumed under a new request id (``resume``: lookup, allocation, the loads enqueued). The time of each call is
 the host's; the copies themselves run on kvtier's streams after it returns. Reported: median and maximum per call.
+
+A layer-first pool's tensors are allocated one by one (``--layer-alloc separate``, as vLLM does) or as one tensor
+(``one``); ``layer_runs`` says how many runs of evenly spaced layer tensors kvtier found, and so how many copy-engine
+pieces a page costs.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-size", type=at_least(1), default=64, help="tokens a block")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="layer-first and/or page-first")
     ap.add_argument("--methods", default="auto", help="copy_method values, comma-separated (auto, kernel, dma)")
+    ap.add_argument(
+        "--layer-alloc",
+        choices=("separate", "one"),
+        default="separate",
+        help="layer-first: a tensor a layer, allocated in turn, or the layers as views of one tensor",
+    )
     ap.add_argument("--reps", type=at_least(1), default=7, help="repetitions a configuration")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row")
     a = ap.parse_args(argv)
@@ -72,8 +82,10 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     layer_bytes = 2 * a.kv_heads * a.head_dim * a.block_size * 2  # K and V, bf16
     blocks = tokens // a.block_size
     n_blocks = blocks + 1
-    if layout == "layer-first":
-        pages: Any = [torch.zeros((n_blocks, layer_bytes), dtype=torch.uint8, device="cuda") for _ in range(a.layers)]
+    if layout == "layer-first" and a.layer_alloc == "one":
+        pages: Any = list(torch.zeros((a.layers, n_blocks, layer_bytes), dtype=torch.uint8, device="cuda"))
+    elif layout == "layer-first":
+        pages = [torch.zeros((n_blocks, layer_bytes), dtype=torch.uint8, device="cuda") for _ in range(a.layers)]
     else:
         pages = torch.zeros((n_blocks, a.layers * layer_bytes), dtype=torch.uint8, device="cuda")
     cache = HostPrefixCache(
@@ -112,6 +124,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
                 for v in times.values():
                     v.clear()
         stats = cache.stats()
+        runs = cache.layer_runs
     finally:
         cache.close()
     row: dict[str, Any] = {"layout": layout, "tokens": tokens, "method": method, "reps": a.reps}
@@ -119,6 +132,8 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
         row[name + "_ms_p50"] = round(statistics.median(v) * 1e3, 3)
         row[name + "_ms_max"] = round(max(v) * 1e3, 3)
     row["page_bytes"] = a.layers * layer_bytes
+    row["layer_alloc"] = a.layer_alloc if layout == "layer-first" else "one"
+    row["layer_runs"] = len(runs)
     row["errors"] = stats["errors"]
     return row
 
