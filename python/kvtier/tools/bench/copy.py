@@ -71,7 +71,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--gemm-sizes",
         type=_sizes,
         default=_sizes("64K,256K,1M,8M"),
-        help="page-first page sizes of the GEMM-cost runs (empty: skip)",
+        help="bytes a layer a page (the copy pieces) of the GEMM-cost runs (empty: skip)",
+    )
+    ap.add_argument(
+        "--gemm-layers",
+        type=at_least(1),
+        default=1,
+        help="layer tensors of the GEMM-cost runs' pool (1: page-first; more: one layer-first tensor, 2D copies)",
+    )
+    ap.add_argument(
+        "--layer-alloc",
+        choices=("separate", "one"),
+        default="separate",
+        help="layer-first rate runs: a tensor a layer, or the layers of one tensor (2D copy-engine pieces)",
     )
     ap.add_argument("--gemm-iters", type=at_least(1), default=60, help="GEMMs a timed loop")
     ap.add_argument("--pin-gib", type=at_least(0, float), default=0.0, help="GiB of HostPool to back and pin (0: skip)")
@@ -153,11 +165,16 @@ def _pin_rate(gib: float) -> dict[str, Any]:
 class _Pages:
     """A GPU pool and a pinned host pool of 2n pages with random bytes; one half is read, the other written."""
 
-    def __init__(self, torch: Any, dev: Any, layers: int, segment: int, n: int, pinned: Any, rng: Any) -> None:
+    def __init__(
+        self, torch: Any, dev: Any, layers: int, segment: int, n: int, pinned: Any, rng: Any, one: bool = False
+    ) -> None:
         from kvtier.copy import HostPool, host_array
 
         page_bytes = segment * layers
-        self.pool = [torch.randint(0, 256, (2 * n, segment), dtype=torch.uint8, device=dev) for _ in range(layers)]
+        if one:  # the layers of one tensor: evenly spaced, so the copy engine takes a page as one 2D piece
+            self.pool = list(torch.randint(0, 256, (layers, 2 * n, segment), dtype=torch.uint8, device=dev))
+        else:
+            self.pool = [torch.randint(0, 256, (2 * n, segment), dtype=torch.uint8, device=dev) for _ in range(layers)]
         self.host = HostPool(2 * n, page_bytes)
         self.host.grow_to(2 * n)
         pinned[: 2 * n * page_bytes].copy_(torch.randint(0, 256, (2 * n * page_bytes,), dtype=torch.uint8, device=dev))
@@ -192,7 +209,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             total = min(args.mib << 20, args.max_pieces * segment, half)
             n = max(1, total // page_bytes)
             total = n * page_bytes
-            pages = _Pages(torch, dev, layers, segment, n, pinned, rng)
+            pages = _Pages(torch, dev, layers, segment, n, pinned, rng, one=args.layer_alloc == "one")
             memcpy = {
                 "h2d": lambda t=total: flat[:t].copy_(pinned[:t], non_blocking=True),
                 "d2h": lambda t=total: pinned[half : half + t].copy_(flat[half : half + t], non_blocking=True),
@@ -236,6 +253,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
                         "page_bytes": page_bytes,
                         "piece_bytes": segment,
                         "layers": layers,
+                        "layer_runs": len(pages.copier().layer_runs),
                         "method": method,
                         "used": "+".join(sorted(set(used.values()))),
                         "ctas": ctas or sms,
@@ -277,9 +295,10 @@ def _gemm_cost(
     alone = [gemm_loop() for _ in range(3)]
     rng = np.random.default_rng(1)
     half = pinned.numel() // 2
+    layers = args.gemm_layers
     for page in args.gemm_sizes:
-        n = max(1, min(args.mib << 20, half) // page)
-        pages = _Pages(torch, dev, 1, page, n, pinned, rng)
+        n = max(1, min(args.mib << 20, half) // (page * layers))
+        pages = _Pages(torch, dev, layers, page, n, pinned, rng, one=True)
         for (method, ctas), d in itertools.product(_method_grids(args), ("h2d", "d2h")):
             c = pages.copier(method=method, ctas=ctas or sms, threads=args.threads)
             h = copy_stream.cuda_stream
@@ -309,11 +328,13 @@ def _gemm_cost(
             time.sleep(min(0.005, one))  # let the copies reach full rate before the GEMMs start
             during = gemm_loop()
             c1.synchronize()
-            copy_gbps = reps * n * page / (c0.elapsed_time(c1) / 1e3) / 1e9
+            copy_gbps = reps * n * page * layers / (c0.elapsed_time(c1) / 1e3) / 1e9
             row = {
                 "kind": "gemm",
                 "direction": d,
-                "page_bytes": page,
+                "page_bytes": page * layers,
+                "piece_bytes": page,
+                "layers": layers,
                 "method": method,
                 "used": used,
                 "ctas": ctas or sms,
