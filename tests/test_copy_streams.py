@@ -183,6 +183,63 @@ def test_methods_exact_whole_and_per_layer(layers: int, segment: int, alloc: str
     host.close()
 
 
+def _round_trip_by_dma(pool: list[torch.Tensor], pages: list[int]) -> PageCopier:
+    """Copies ``pages`` (block i to slot i) of ``pool`` to a pinned host pool and back into poisoned blocks by the copy
+    engine, checking the bytes both ways."""
+    segment = pool[0].shape[1]
+    host = HostPool(len(pages), segment * len(pool), step_bytes=1 << 20)
+    host.grow_to(len(pages))
+    copier = PageCopier(pool, host, method="dma")
+    stream = CopyStream(torch.cuda.current_device())
+    ids = np.array(pages, dtype=np.int32)
+    slots = np.arange(len(pages), dtype=np.int32)
+    done = CopyEvent(torch.cuda.current_device())
+    torch.cuda.synchronize()
+    assert copier.to_host(ids, slots, stream.handle) == "dma"
+    done.record(stream.handle)
+    done.synchronize()
+    hv = host_array(host)
+    for g, s in zip(ids, slots, strict=True):
+        assert np.array_equal(hv[s], _page(pool, int(g)))
+    expect = [_page(pool, int(g)) for g in ids]
+    for t in pool:
+        t[torch.from_numpy(ids).cuda()] = 0x3C
+    torch.cuda.synchronize()
+    assert copier.to_gpu(slots, ids, stream.handle) == "dma"
+    done.record(stream.handle)
+    done.synchronize()
+    for g, e in zip(ids, expect, strict=True):
+        assert np.array_equal(_page(pool, int(g)), e)
+    host.close()
+    return copier
+
+
+@pytest.mark.gpu
+@cuda
+def test_2d_copies_with_layers_over_2_gib_apart() -> None:
+    """Layers of one tensor 2.5 GiB apart (an engine's pool of large layers): the 2D copy's pitch exceeds 2^31."""
+    layers, blocks, segment = 3, 10240, 256 << 10  # 2.5 GiB a layer
+    big = torch.empty((layers, blocks, segment), dtype=torch.uint8, device="cuda")
+    pool = list(big)
+    for t in pool:
+        t[[0, 5, blocks - 1]] = torch.randint(0, 256, (3, segment), dtype=torch.uint8, device="cuda")
+    copier = _round_trip_by_dma(pool, [0, 5, blocks - 1])
+    assert copier.layer_runs == [(0, layers)]
+    del big, pool
+
+
+@pytest.mark.gpu
+@cuda
+def test_2d_copies_across_separate_allocations() -> None:
+    """Layer tensors allocated one by one (as vLLM does): where they lie evenly spaced, a page's 2D copy spans
+    several allocations, and its bytes are still exact."""
+    layers, blocks, segment = 6, 64, 1 << 20  # 64 MiB a layer: a CUDA allocation each
+    pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    copier = _round_trip_by_dma(pool, [1, 7, 63])
+    if max(b - a for a, b in copier.layer_runs) < 2:
+        pytest.skip(f"the allocator did not place the layers evenly: runs {copier.layer_runs}")
+
+
 @pytest.mark.gpu
 @cuda
 def test_auto_chooses_by_piece_size_and_never_dma_on_the_legacy_stream() -> None:
