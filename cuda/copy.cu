@@ -18,9 +18,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
-#include <new>
-#include <vector>
 
 #include "copy.h"
 
@@ -283,12 +282,10 @@ extern "C" int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size
   int err = set_device(device);
   if (err != cudaSuccess) return err;
   auto s = static_cast<cudaStream_t>(stream);
-  std::vector<cudaMemcpy3DBatchOp> list;
-  try {
-    list.resize(n);
-  } catch (const std::bad_alloc&) {
-    return cudaErrorMemoryAllocation;
-  }
+  // malloc, not std::vector: the distributable wheel links no C++ standard library beyond the runtime's needs.
+  if (n > SIZE_MAX / sizeof(cudaMemcpy3DBatchOp)) return cudaErrorInvalidValue;
+  auto* list = static_cast<cudaMemcpy3DBatchOp*>(std::malloc(n * sizeof(cudaMemcpy3DBatchOp)));
+  if (list == nullptr) return cudaErrorMemoryAllocation;
   for (size_t i = 0; i < n; ++i) {
     const kvtier_copy2d& c = ops[i];
     cudaMemcpy3DOperand dev, host;
@@ -307,11 +304,12 @@ extern "C" int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size
     op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   }
 #if CUDART_VERSION >= 13000
-  err = cudaMemcpy3DBatchAsync(n, list.data(), 0, s);
+  err = cudaMemcpy3DBatchAsync(n, list, 0, s);
 #else
   size_t fail = 0;
-  err = cudaMemcpy3DBatchAsync(n, list.data(), &fail, 0, s);
+  err = cudaMemcpy3DBatchAsync(n, list, &fail, 0, s);
 #endif
+  std::free(list);
   if (err == cudaSuccess && debug_sync) err = cudaStreamSynchronize(s);
   return err;
 #else
