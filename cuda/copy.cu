@@ -275,6 +275,33 @@ extern "C" int kvtier_memcpy_batch(int device, void* const* dsts, const void* co
 #endif
 }
 
+extern "C" int kvtier_cuda_allocation_base(uint64_t ptr, uint64_t* base) {
+  // cuMemGetAddressRange, found through the runtime (no link against libcuda); its CUresult errors share
+  // cudaError_t's numbers.
+  using AddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+  static AddressRange range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+#else
+    (void)found;
+#endif
+    return reinterpret_cast<AddressRange>(fn);
+  }();
+  if (range == nullptr) return cudaErrorNotSupported;
+  unsigned long long b = 0;
+  size_t size = 0;
+  const int err = range(&b, &size, ptr);
+  *base = b;
+  return err;
+}
+
 extern "C" int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size_t n, int to_host, void* stream,
                                       int debug_sync) {
   if (n == 0) return cudaSuccess;

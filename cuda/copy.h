@@ -76,6 +76,9 @@ int kvtier_cuda_dma_supported(void);
 int kvtier_memcpy_batch(int device, void* const* dsts, const void* const* srcs, const size_t* sizes, size_t n,
                         void* stream, int debug_sync);
 
+// The base address of the CUDA allocation that holds device address `ptr` (a 2D copy may not span two).
+int kvtier_cuda_allocation_base(uint64_t ptr, uint64_t* base);
+
 // One 2D copy between a GPU pool and a host page: `height` rows of `width` bytes, a row `dev_pitch` bytes after the
 // previous one on the GPU side and right after it on the host side (a page's segments of evenly spaced layers).
 typedef struct {

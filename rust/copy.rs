@@ -125,19 +125,23 @@ pub struct PageCopier {
 }
 
 /// Consecutive layers whose tensors are evenly spaced (`spacing` bytes from one base to the next) with one block
-/// stride: a page's segments of these layers are the rows of one 2D copy, back to back in the host page and
-/// `spacing` apart on the GPU. The copy engine then takes one piece a page and run instead of one a page and layer.
+/// stride, inside one CUDA allocation (CUDA refuses a 2D copy that spans two: "invalid argument"): a page's
+/// segments of these layers are the rows of one 2D copy, back to back in the host page and `spacing` apart on the
+/// GPU. The copy engine then takes one piece a page and run instead of one a page and layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct LayerRun {
     layers: Range<usize>,
     spacing: u64,
 }
 
-/// The layer runs of a pool's layers, in order (single layers where no spacing repeats).
-fn layer_runs(layers: &[Layer], segment_bytes: u64) -> Vec<LayerRun> {
+/// The layer runs of a pool's layers, in order (single layers where no spacing repeats); `allocation` names the
+/// allocation that holds an address (None: unknown, so no run).
+fn layer_runs(layers: &[Layer], segment_bytes: u64, allocation: impl Fn(u64) -> Option<u64>) -> Vec<LayerRun> {
+    let allocations: Vec<Option<u64>> = layers.iter().map(|l| allocation(l.base)).collect();
     let step = |i: usize| {
         let (a, b) = (layers[i], layers[i + 1]);
-        (b.base > a.base && b.base - a.base >= segment_bytes && a.stride == b.stride).then(|| b.base - a.base)
+        let one = allocations[i].is_some() && allocations[i] == allocations[i + 1];
+        (one && b.base > a.base && b.base - a.base >= segment_bytes && a.stride == b.stride).then(|| b.base - a.base)
     };
     let mut runs = Vec::new();
     let mut start = 0;
@@ -208,7 +212,11 @@ impl PageCopier {
             }
         }
         let dma = pool.device.is_some() && cuda::dma_supported();
-        let runs = layer_runs(&pool.layers, pool.segment_bytes);
+        // On the CPU no copy-engine copy runs, and the runs only shape `dma_ops` (the tests).
+        let runs = match pool.device {
+            Some(_) => layer_runs(&pool.layers, pool.segment_bytes, cuda::allocation_base),
+            None => layer_runs(&pool.layers, pool.segment_bytes, |_| Some(0)),
+        };
         Ok(Self { pool, host, opts, dma, runs })
     }
 
@@ -677,15 +685,21 @@ mod tests {
     #[test]
     fn layer_runs_need_one_spacing_one_stride_and_room_for_a_segment() {
         let l = |base, stride| Layer { base, stride };
-        let runs = layer_runs(&[l(0x1000, 64), l(0x2000, 64), l(0x3000, 64), l(0x9000, 64), l(0xa000, 32)], 32);
-        let got: Vec<_> = runs.iter().map(|r| (r.layers.clone(), r.spacing)).collect();
+        let one = |_| Some(0);
+        let pool = [l(0x1000, 64), l(0x2000, 64), l(0x3000, 64), l(0x9000, 64), l(0xa000, 32)];
+        let got: Vec<_> = layer_runs(&pool, 32, one).iter().map(|r| (r.layers.clone(), r.spacing)).collect();
         assert_eq!(got, vec![(0..3, 0x1000), (3..4, 0), (4..5, 0)]); // 0x9000 -> 0xa000 changes the stride
-        let runs = layer_runs(&[l(0x3000, 64), l(0x2000, 64), l(0x1000, 64)], 32); // decreasing: no 2D copy
+        let runs = layer_runs(&[l(0x3000, 64), l(0x2000, 64), l(0x1000, 64)], 32, one); // decreasing: no 2D copy
         assert!(runs.iter().all(|r| r.layers.len() == 1));
-        let runs = layer_runs(&[l(0x1000, 64), l(0x1010, 64), l(0x1020, 64)], 32); // 16 bytes apart: rows overlap
+        let runs = layer_runs(&[l(0x1000, 64), l(0x1010, 64), l(0x1020, 64)], 32, one); // 16 bytes apart: overlap
         assert!(runs.iter().all(|r| r.layers.len() == 1));
-        let runs = layer_runs(&[l(0x1000, 96), l(0x1020, 96), l(0x1040, 96)], 32); // page-first layer parts
+        let runs = layer_runs(&[l(0x1000, 96), l(0x1020, 96), l(0x1040, 96)], 32, one); // page-first layer parts
         assert_eq!(runs, vec![LayerRun { layers: 0..3, spacing: 32 }]);
+        // Evenly spaced, but the third layer is another allocation; an unknown allocation joins nothing.
+        let two = |a: u64| Some(if a < 0x3000 { 1 } else { 2 });
+        let got: Vec<_> = layer_runs(&pool[..3], 32, two).iter().map(|r| r.layers.clone()).collect();
+        assert_eq!(got, vec![0..2, 2..3]);
+        assert!(layer_runs(&pool[..3], 32, |_| None).iter().all(|r| r.layers.len() == 1));
     }
 
     #[test]

@@ -45,6 +45,7 @@ mod ffi {
         pub fn kvtier_cuda_stream_create(device: i32, stream: *mut *mut c_void) -> i32;
         pub fn kvtier_cuda_stream_destroy(stream: *mut c_void) -> i32;
         pub fn kvtier_cuda_dma_supported() -> i32;
+        pub fn kvtier_cuda_allocation_base(ptr: u64, base: *mut u64) -> i32;
         pub fn kvtier_memcpy_2d_batch(
             device: i32,
             ops: *const super::Copy2d,
@@ -225,6 +226,23 @@ pub unsafe fn memcpy_batch(
     {
         let _ = (device, dsts, srcs, sizes, stream, debug_sync);
         not_compiled()
+    }
+}
+
+/// The base address of the CUDA allocation that holds device address `ptr`, or None (not a CUDA allocation, or no
+/// driver entry point).
+pub fn allocation_base(ptr: u64) -> Option<u64> {
+    #[cfg(kvtier_cuda)]
+    {
+        let mut base = 0;
+        // SAFETY: a pure query; `base` is a valid out-pointer.
+        let code = unsafe { ffi::kvtier_cuda_allocation_base(ptr, &mut base) };
+        (code == 0).then_some(base)
+    }
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = ptr;
+        None
     }
 }
 
