@@ -4,7 +4,8 @@
 //! `base + b * stride`. The host page is contiguous, the layer segments back to back. On a CUDA device a batch goes
 //! by one of two methods on the caller's stream, never waited for: the copy kernel (one launch, or a few, see
 //! cuda/copy.cu) or the copy engine (one `cudaMemcpyBatchAsync` of the batch's pieces, where a piece is a run of
-//! segments contiguous on both sides). `Method::Auto` takes the copy engine when the batch's mean piece is at least
+//! segments contiguous on both sides; or, for layers evenly spaced in one allocation, one `cudaMemcpy3DBatchAsync`
+//! of 2D pieces, a page's segments of those layers each). `Method::Auto` takes the copy engine when the batch's mean piece is at least
 //! the crossover (docs/PERFORMANCE.md), the kernel otherwise, and always on the legacy default stream, which the
 //! copy engine's batch call refuses, and where the driver lacks it. On a CPU pool the copy is a multi-threaded
 //! memcpy, complete on return. Every argument is validated before anything is copied.
