@@ -194,8 +194,8 @@ class HostPrefixCache:
 
     @property
     def layer_runs(self) -> list[tuple[int, int]]:
-        """The GPU pool's layer tensors as runs of evenly spaced tensors (``kvtier.copy.PageCopier.layer_runs``):
-        the copy engine moves a page's segments of one run as one piece."""
+        """The GPU pool's layer tensors as runs of evenly spaced tensors in one allocation
+        (``kvtier.copy.PageCopier.layer_runs``): the copy engine moves a page's segments of one run as one piece."""
         return self._copiers[0].layer_runs
 
     @property

@@ -234,9 +234,10 @@ class PageCopier:
 
     @property
     def layer_runs(self) -> list[tuple[int, int]]:
-        """The layer tensors as runs ``(start, end)`` of evenly spaced tensors with one block stride: the copy
-        engine copies a page's segments of a run as one 2D piece, so an engine that allocates its layers in one
-        tensor (or back to back) costs one piece a page, not one a page and layer."""
+        """The layer tensors as runs ``(start, end)`` of evenly spaced tensors with one block stride inside one CUDA
+        allocation: the copy engine copies a page's segments of a run as one 2D piece, so an engine whose layers
+        are views of one tensor costs one piece a page, not one a page and layer (tensors allocated one by one are
+        separate allocations, which no 2D copy may span)."""
         return self._core.layer_runs
 
     @property
