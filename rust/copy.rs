@@ -5,10 +5,10 @@
 //! by one of two methods on the caller's stream, never waited for: the copy kernel (one launch, or a few, see
 //! cuda/copy.cu) or the copy engine (one `cudaMemcpyBatchAsync` of the batch's pieces, where a piece is a run of
 //! segments contiguous on both sides; or, for layers evenly spaced in one allocation, one `cudaMemcpy3DBatchAsync`
-//! of 2D pieces, a page's segments of those layers each). `Method::Auto` takes the copy engine when the batch's mean piece is at least
-//! the crossover (docs/PERFORMANCE.md), the kernel otherwise, and always on the legacy default stream, which the
-//! copy engine's batch call refuses, and where the driver lacks it. On a CPU pool the copy is a multi-threaded
-//! memcpy, complete on return. Every argument is validated before anything is copied.
+//! of 2D pieces, a page's segments of those layers each). `Method::Auto` takes the copy engine when the batch's mean
+//! piece is at least the crossover (docs/PERFORMANCE.md), the kernel otherwise, and always on the legacy default
+//! stream, which the copy engine's batch call refuses, and where the driver lacks it. On a CPU pool the copy is a
+//! multi-threaded memcpy, complete on return. Every argument is validated before anything is copied.
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -394,14 +394,10 @@ impl PageCopier {
         for l in layers {
             let layer = self.pool.layers[l];
             for (&g, &h) in gpu_ids.iter().zip(host_slots) {
-                let mut dev = layer.base + g as u64 * layer.stride;
-                let mut off = h as u64 * slot_bytes + l as u64 * seg;
-                let end = off + seg;
-                while off < end {
-                    let cut = ((off / step + 1) * step).min(end);
-                    pieces.push(dev, host_base + off, cut - off, !off.is_multiple_of(step));
-                    dev += cut - off;
-                    off = cut;
+                let dev = layer.base + g as u64 * layer.stride;
+                let off = h as u64 * slot_bytes + l as u64 * seg;
+                for (at, len) in step_cuts(off, seg, step) {
+                    pieces.push(dev + at, host_base + off + at, len, !(off + at).is_multiple_of(step));
                 }
             }
         }
@@ -437,12 +433,9 @@ impl PageCopier {
                         l += rows as usize;
                         continue;
                     }
-                    let mut done = 0; // the row crosses a step: one piece a step it touches
-                    while done < seg {
-                        let width = (step - (off + done) % step).min(seg - done);
-                        let host = host_base + off + done;
-                        ops.push(Copy2d { dev: dev + done, host, width, height: 1, dev_pitch: 0 });
-                        done += width;
+                    // The row crosses a step: one piece a step it touches.
+                    for (at, width) in step_cuts(off, seg, step) {
+                        ops.push(Copy2d { dev: dev + at, host: host_base + off + at, width, height: 1, dev_pitch: 0 });
                     }
                     l += 1;
                 }
@@ -515,6 +508,19 @@ impl PageCopier {
         let threads = crate::par::threads_for(n as u64 * self.page_bytes(), CPU_BYTES_PER_THREAD, n, CPU_MAX_THREADS);
         crate::par::map(n, threads, copy_page);
     }
+}
+
+/// `len` bytes at host pool offset `off` as the pieces that each stay inside one pin step of `step` bytes: (offset
+/// from `off`, length) in order.
+fn step_cuts(off: u64, len: u64, step: u64) -> impl Iterator<Item = (u64, u64)> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        (at < len).then(|| {
+            let piece = (step - (off + at) % step).min(len - at);
+            at += piece;
+            (at - piece, piece)
+        })
+    })
 }
 
 /// Copy-engine pieces, merged while contiguous on both sides and inside one pin step of the host pool.

@@ -253,7 +253,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
                         "page_bytes": page_bytes,
                         "piece_bytes": segment,
                         "layers": layers,
-                        "layer_runs": len(pages.copier().layer_runs),
+                        "layer_runs": len(c.layer_runs),
                         "method": method,
                         "used": "+".join(sorted(set(used.values()))),
                         "ctas": ctas or sms,
