@@ -66,10 +66,11 @@ impl Index {
     }
 
     fn engine_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Key>> {
-        keys.iter()
-            .enumerate()
-            .map(|(i, k)| self.engine_key(k.as_ref()).map_err(|e| invalid(format!("keys[{i}]: {e}"))))
-            .collect()
+        if let Some(i) = keys.iter().position(|k| !(1..=MAX_ENGINE_KEY_BYTES).contains(&k.as_ref().len())) {
+            let e = self.engine_key(keys[i].as_ref()).expect_err("a key of a bad length");
+            return Err(invalid(format!("keys[{i}]: {e}")));
+        }
+        Ok(self.engine_keys.keys(keys))
     }
 
     /// How many of `keys` (a prompt's pages in order) are ready on the host from the first, and whether the next
