@@ -114,11 +114,17 @@ fn eviction_full_pool(c: &mut Criterion) {
 }
 
 /// vLLM's offloading manager on engine keys (36 bytes: a block hash and its group): a store of 2048 new keys into
-/// a full pool of 2048 (every stored key evicted), then its completion; and the keys' hashing alone.
+/// a full pool of 2048 (every stored key evicted), then its keys reported done and the store completed; the keys'
+/// hashing one at a time; a lookup of keys none of which is on the host.
 fn engine_keys(c: &mut Criterion) {
+    // Distinct keys shaped as vLLM's: a 32-byte digest and a 4-byte group index.
     let keys = |seed: u32| -> Vec<Vec<u8>> {
         (0..PAGES as u32)
-            .map(|i| (0..36u32).map(|j| (i.wrapping_mul(2_654_435_761) ^ (seed + j)) as u8).collect())
+            .map(|i| {
+                let mut k = blake3::hash(&[seed.to_le_bytes(), i.to_le_bytes()].concat()).as_bytes().to_vec();
+                k.extend_from_slice(&[0; 4]);
+                k
+            })
             .collect()
     };
     let (a, b2) = (keys(1), keys(2));
@@ -133,12 +139,27 @@ fn engine_keys(c: &mut Criterion) {
                 ix
             },
             |mut ix| {
-                let p = ix.store_keys(black_box(&b2)).unwrap().unwrap();
-                ix.complete(p.ticket).unwrap();
+                ix.store_keys(black_box(&b2)).unwrap().unwrap();
+                for (t, _) in ix.complete_keys(&b2, true).due {
+                    ix.complete(t).unwrap();
+                }
                 ix
             },
             BatchSize::LargeInput,
         )
+    });
+    let sets: Vec<Vec<Vec<u8>>> = (3..8).map(keys).collect();
+    let mut ix = Index::new(config(PAGES as u32, Policy::Lru), PAGES as u32, 0).unwrap();
+    let mut at = 0;
+    g.bench_function("steady_store_2048_evicting_2048", |b| {
+        b.iter(|| {
+            at = (at + 1) % sets.len();
+            let p = ix.store_keys(black_box(&sets[at])).unwrap().unwrap();
+            for (t, _) in ix.complete_keys(&sets[at], true).due {
+                ix.complete(t).unwrap();
+            }
+            p.evicted.len()
+        })
     });
     let mut ix = Index::new(config(PAGES as u32, Policy::Lru), PAGES as u32, 0).unwrap();
     g.bench_function("hash_2048_one_at_a_time", |b| {

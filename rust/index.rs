@@ -12,7 +12,7 @@ use crate::pool::Pool;
 use crate::stats::Stats;
 
 mod engine_keys;
-pub use engine_keys::{KeyLookup, KeyStorePlan, MAX_ENGINE_KEY_BYTES};
+pub use engine_keys::{KeyCompletion, KeyLookup, KeyState, KeyStorePlan, MAX_ENGINE_KEY_BYTES};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -113,8 +113,12 @@ enum TicketKind {
     Hold,
     /// Fresh entries being filled from L3.
     Fetch,
-    /// Pages of engine keys copied GPU -> host (and ready ones held).
-    KeyStore,
+    /// Pages of engine keys copied GPU -> host (and ready ones held); `remaining` of the keys copied are not
+    /// reported done yet (`complete_keys`), and `failed` says whether one was reported failed.
+    KeyStore {
+        remaining: usize,
+        failed: bool,
+    },
 }
 
 /// What a completed store made ready: the chain keys of the prompt's pages 0..n it covered (held or new) and
@@ -213,6 +217,7 @@ impl Index {
         }
         self.model_version = version.to_vec();
         self.engine_keys = self.hasher.engine_keys(version);
+        self.names.new_version();
         self.epoch += 1;
         let dropped = self.pages.retire_all();
         self.record(true, Medium::Cpu, dropped);
@@ -649,7 +654,7 @@ impl Index {
     /// pages 0.. that the ticket covered, and its new states' boundaries in pages. This is what the L3
     /// write-behind puts.
     pub fn complete(&mut self, ticket: u64) -> Result<Option<Ready>> {
-        let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        let t = self.take_ticket(ticket)?;
         if t.epoch != self.epoch {
             // Issued under an earlier model version: what it copied belongs to the old weights.
             if let TicketKind::Load { .. } = t.kind {
@@ -659,7 +664,7 @@ impl Index {
             self.drop_ticket(&t)?;
             return Ok(None);
         }
-        let stored = matches!(t.kind, TicketKind::Store { .. } | TicketKind::KeyStore);
+        let stored = matches!(t.kind, TicketKind::Store { .. } | TicketKind::KeyStore { .. });
         let (mut resident, mut removed) = (Vec::new(), Vec::new());
         for &(s, new) in t.pages.iter().rev() {
             if new {
@@ -703,13 +708,24 @@ impl Index {
     /// The copies of a ticket failed: stored or fetched entries are discarded (their slots freed), held ones
     /// released, a load's hit uncounted. The caller counts the failure (`count_error`).
     pub fn abort(&mut self, ticket: u64) -> Result<()> {
-        let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        let t = self.take_ticket(ticket)?;
         self.drop_ticket(&t)?;
         if let TicketKind::Load { hit_tokens } = t.kind {
             self.stats.hits -= 1;
             self.stats.hit_tokens -= hit_tokens as u64;
         }
         Ok(())
+    }
+
+    /// Removes a ticket to settle it; a key store's keys not reported yet are forgotten with it.
+    fn take_ticket(&mut self, ticket: u64) -> Result<Ticket> {
+        let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        if let TicketKind::KeyStore { remaining, .. } = t.kind {
+            if remaining > 0 {
+                self.names.settle_store(ticket, &self.pages, &t.pages);
+            }
+        }
+        Ok(t)
     }
 
     /// Discards a ticket's new entries and releases the entries it held; a retired page dropped at its last
@@ -793,7 +809,7 @@ impl Index {
                 return Err(Error::Invariant(format!("{name} slot {slot} was never used, tickets hold {want}")));
             }
         }
-        Ok(())
+        self.check_key_stores()
     }
 }
 
@@ -1076,6 +1092,11 @@ mod fuzz {
             keys: Vec<u8>,
             load: bool,
         },
+        /// Engine keys' copies reported done or failed; the stores due are settled.
+        Report {
+            keys: Vec<u8>,
+            ok: bool,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1091,6 +1112,7 @@ mod fuzz {
             (0u8..6, prompt.clone()).prop_map(|(rid, prompt)| Op::Reuse { rid, prompt }),
             (0u8..3).prop_map(|v| Op::Version { v }),
             (prop::collection::vec(0u8..12, 0..8), any::<bool>()).prop_map(|(keys, load)| Op::Keys { keys, load }),
+            (prop::collection::vec(0u8..12, 0..8), any::<bool>()).prop_map(|(keys, ok)| Op::Report { keys, ok }),
         ]
     }
 
@@ -1210,11 +1232,35 @@ mod fuzz {
                         let mut seen = std::collections::HashSet::new();
                         keys.retain(|k| seen.insert(*k));
                         let l = ix.lookup_keys(&keys).unwrap();
+                        for (i, k) in keys.iter().enumerate() {
+                            let one = ix.lookup_keys(&[k]).unwrap();
+                            let state = if one.hits == 1 {
+                                KeyState::Ready
+                            } else if one.pending {
+                                KeyState::Pending
+                            } else {
+                                KeyState::Absent
+                            };
+                            prop_assert_eq!(ix.lookup_key(k).unwrap(), state, "key {}", i);
+                        }
                         if load && l.hits > 0 {
                             tickets.push(ix.load_keys(&keys[..l.hits.min(3)]).unwrap().ticket);
                         } else if let Some(p) = ix.store_keys(&keys).unwrap() {
                             prop_assert_eq!(p.indices.len(), p.slots.len());
                             tickets.push(p.ticket);
+                        }
+                    }
+                    Op::Report { keys, ok } => {
+                        let keys: Vec<[u8; 2]> = keys.into_iter().map(|k| [k, 7]).collect();
+                        let done = ix.complete_keys(&keys, ok);
+                        prop_assert!(done.matched <= keys.len());
+                        for (t, failed) in done.due {
+                            prop_assert!(failed || ok);
+                            let Some(i) = tickets.iter().position(|&x| x == t) else {
+                                return Err(TestCaseError::fail(format!("store {t} due twice")));
+                            };
+                            tickets.swap_remove(i);
+                            if failed { ix.abort(t).unwrap() } else { ix.complete(t).map(drop).unwrap() }
                         }
                     }
                     Op::Finish { .. } => {}

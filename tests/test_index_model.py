@@ -173,19 +173,38 @@ class IndexMachine(RuleBasedStateMachine):
         """A half of the engine that sees only its own block hashes: a lookup, then a load of the hit or a store."""
         got = self.rust.lookup_keys(keys)
         assert got == self.model.lookup_keys(keys)
+        assert [self.rust.key_state(k) for k in keys] == [self.model.key_state(k) for k in keys]
         hits = got[0]
         if load and hits:
             ticket, slots = self.rust.load_keys(keys[:hits])
-            assert (ticket, slots) == self.model.load_keys(keys[:hits])
+            assert (ticket, slots.tolist()) == self.model.load_keys(keys[:hits])
             for slot in slots:
                 assert self.rust.page_entry(slot)[2], "a loaded page is ready"
             self.pending.append(ticket)
         elif not load:
             plan = self.rust.store_keys(keys)
-            assert plan == self.model.store_keys(keys)
+            want = self.model.store_keys(keys)
+            assert (plan and (*plan[:2], plan[2].tolist(), plan[3])) == want
             if plan is not None:
                 self.pending.append(plan[0])
         self._step_evictions()
+
+    @rule(keys=engine_keys, ok=st.booleans())
+    def engine_keys_reported(self, keys, ok):
+        """The engine reports copies of its keys done (or failed); the stores owed nothing more are settled."""
+        matched, due = self.rust.complete_keys(keys, ok)
+        assert (matched, due) == self.model.complete_keys(keys, ok)
+        discarded = set()
+        for ticket, failed in due:
+            self.pending.remove(ticket)
+            if failed:
+                discarded |= {where for where, (_, refs, ready) in self.before.items() if refs >= 1 and not ready}
+                self.rust.abort(ticket)
+                self.model.abort(ticket)
+            else:
+                self.rust.complete(ticket)
+                self.model.complete(ticket)
+        self._step_evictions(discarded)
 
     @invariant()
     def agrees_with_the_model(self):

@@ -1,7 +1,7 @@
 """Type stubs of kvtier's Rust core (kvtier._core)."""
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Final, TypeAlias, final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final, Generic, TypeAlias, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ __all__ = [
     "Index",
     "IndexConfig",
     "FetchPlan",
+    "KeyAnswers",
     "KvEvent",
     "KvtierError",
     "L3Planner",
@@ -152,6 +153,12 @@ class IndexConfig:
 
 EVICTION_POLICIES: Final[list[str]]
 
+_A = TypeVar("_A")
+
+@final
+class KeyAnswers(Generic[_A]):
+    def lookup(self, key: bytes, req_context: object = None) -> _A: ...
+
 @final
 class KvEvent:
     @property
@@ -227,8 +234,13 @@ class Index:
     ) -> tuple[int, list[int | None], list[int | None]] | None: ...
     def engine_key(self, key: bytes) -> int: ...
     def lookup_keys(self, keys: Sequence[bytes]) -> tuple[int, bool]: ...
-    def load_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int]]: ...
-    def store_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int], list[bytes]] | None: ...
+    def load_keys(self, keys: Iterable[bytes]) -> tuple[int, npt.NDArray[np.int32]]: ...
+    def store_keys(
+        self, keys: Iterable[bytes]
+    ) -> tuple[int, list[int] | None, npt.NDArray[np.int32], list[bytes]] | None: ...
+    def key_state(self, key: bytes) -> int: ...
+    def complete_keys(self, keys: Iterable[bytes], ok: bool) -> tuple[int, list[tuple[int, bool]]]: ...
+    def key_answers(self, absent: _A, pending: _A, ready: _A) -> KeyAnswers[_A]: ...
     def forget(self, request_id: str) -> bool: ...
     def take_events(self) -> list[KvEvent]: ...
     def record_storage(self, removed: bool, page_keys: Sequence[int]) -> None: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -197,6 +197,10 @@ class PyIndex:
         self.chains: dict[str, list[int]] = {}
         self.counted: set[str] = set()
         self.tickets: dict[int, Ticket] = {}
+        # Engine keys being copied by key stores, each with the stores owed a report of it (oldest first), and each
+        # store's [keys owed, whether one was reported failed].
+        self.owed: dict[bytes, list[int]] = {}
+        self.owed_count: dict[int, list] = {}
         self.next_ticket = 1
         self.stats = dict.fromkeys(
             [
@@ -365,8 +369,41 @@ class PyIndex:
         self.stats["hit_tokens"] += hit_tokens
         return self._issue(Ticket(hit_tokens, [(k, False) for k in pool_keys])), slots  # type: ignore[return-value]
 
-    def store_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int], list[bytes]] | None:
-        """(ticket, indices, slots, evicted engine keys), or None when the pool cannot take every new key."""
+    def key_state(self, key: bytes) -> int:
+        """0: no page of the engine key on the host, 1: being stored, 2: ready (not counted as a lookup)."""
+        e = self.pages.entries.get(self.key_fn(key))
+        return 0 if e is None else 2 if e.ready else 1
+
+    def complete_keys(self, keys: Iterable[bytes], ok: bool) -> tuple[int, list[tuple[int, bool]]]:
+        """(matched, due): each key reported settles one report the oldest store owed it; stores owed nothing
+        more are due, oldest first, with whether one of their keys failed."""
+        matched, due = 0, []
+        for key in keys:
+            stores = self.owed.get(bytes(key))
+            if not stores:
+                continue
+            t = stores.pop(0)
+            if not stores:
+                del self.owed[bytes(key)]
+            matched += 1
+            count = self.owed_count[t]
+            count[0] -= 1
+            count[1] = count[1] or not ok
+            if count[0] == 0:
+                due.append((t, count[1]))
+        return matched, sorted(due)
+
+    def _settle_owed(self, ticket: int) -> None:
+        if self.owed_count.pop(ticket, None) is None:
+            return
+        for key in list(self.owed):
+            self.owed[key] = [t for t in self.owed[key] if t != ticket]
+            if not self.owed[key]:
+                del self.owed[key]
+
+    def store_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int] | None, list[int], list[bytes]] | None:
+        """(ticket, indices, slots, evicted engine keys), or None when the pool cannot take every new key; the
+        indices are None when every key is copied, in order."""
         pool_keys = [self.key_fn(k) for k in keys]
         held: dict[int, None] = {}  # ready keys, in order
         new: dict[int, int] = {}  # absent key -> its first index
@@ -388,7 +425,11 @@ class PyIndex:
         for i in missing:
             self.names[pool_keys[i]] = bytes(keys[i])
         t = Ticket(None, [(k, False) for k in held] + [(pool_keys[i], True) for i in missing])
-        return self._issue(t), missing, slots, evicted_names
+        tid = self._issue(t)
+        for i in missing:
+            self.owed.setdefault(bytes(keys[i]), []).append(tid)
+        self.owed_count[tid] = [len(missing), False]
+        return tid, None if missing == list(range(len(keys))) else missing, slots, evicted_names
 
     def take_events(self) -> list[tuple[int, bool, list[bytes]]]:
         out, self.events = self.events, []
@@ -402,6 +443,7 @@ class PyIndex:
 
     def complete(self, ticket: int) -> None:
         t = self.tickets.pop(ticket)
+        self._settle_owed(ticket)
         for k, new in reversed(t.pages):
             if new:
                 self.pages.entries[k].ready = True
@@ -419,6 +461,7 @@ class PyIndex:
 
     def abort(self, ticket: int) -> None:
         t = self.tickets.pop(ticket)
+        self._settle_owed(ticket)
         for pool, entries in ((self.pages, t.pages), (self.states, t.states)):
             for k, new in entries:
                 if new:

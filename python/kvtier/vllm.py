@@ -32,9 +32,8 @@ ImportError naming the range; ``import kvtier`` never imports vLLM.
 
 from __future__ import annotations
 
-import itertools
 import re
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +115,8 @@ SETTING_KEYS = (
 )
 # Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+# Index.key_state's answer for a key with no page on the host.
+_ABSENT = 0
 # vLLM 0.34's stored events name the request that stored the pages and promise a removal event for them, which its
 # event tracker uses to describe the pages and to keep their metadata until they leave; 0.33's carry neither.
 _STORED_EVENT_NAMES_REQUEST = "req_context" in OffloadingEvent.__dataclass_fields__
@@ -142,14 +143,11 @@ def _key_name(key: bytes) -> str:
 
 
 @dataclass(eq=False)
-class _Ticket:
-    """One index ticket and how many of its keys vLLM has yet to report done."""
+class _Load:
+    """One load's index ticket and how many of its keys vLLM has yet to report done."""
 
     ticket: int
     remaining: int
-    failed: bool = False
-    # A store's keys, which become ready (or are dropped) when it settles; None for a load.
-    keys: list[bytes] | None = None
 
 
 class KvtierManager(OffloadingManager):
@@ -159,9 +157,9 @@ class KvtierManager(OffloadingManager):
     (``complete_load``/``complete_store``), and a ticket completes once every one of its keys is reported (a store
     that failed for any key is aborted: its reserved slots are freed, nothing of it becomes loadable).
 
-    vLLM asks about one key a call; those answers come from a mirror of which keys the pool holds ready or
-    pending, kept by the calls that change it (a store planned, completed or aborted, a key evicted, a reset), so a
-    lookup costs a set membership test. Lookups are still counted in the index's statistics (``stats()``).
+    vLLM asks about one key a call; ``lookup`` is the index's own ``KeyAnswers.lookup``, one call into the core
+    that answers with vLLM's ``LookupResult`` members and counts the lookup in the index's statistics
+    (``stats()``).
     """
 
     medium = Medium.CPU  # the medium of the events it reports
@@ -195,32 +193,26 @@ class KvtierManager(OffloadingManager):
             hash_key=hash_key,
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
-        self._tokens_per_slot = tokens_per_slot
         # Slots each prepare_store asked for since the last get_stats (vLLM's allocation-size histogram).
         self._allocation_sizes: list[int] = []
         self._reset_state()
 
     def _reset_state(self) -> None:
         self.index = Index(self._config)
-        self._tickets: dict[int, _Ticket] = {}
-        self._store_ticket: dict[bytes, _Ticket] = {}
-        self._load_tickets: dict[bytes, deque[_Ticket]] = {}
+        # vLLM calls lookup once a key: the core answers it directly, without a Python frame in between.
+        self.lookup = self.index.key_answers(_MISS, _HIT_PENDING, _HIT).lookup  # type: ignore[method-assign,assignment]
+        self._load_tickets: dict[bytes, deque[_Load]] = {}
+        # The keys each store in flight copies (what a failed store's event names).
+        self._store_keys: dict[int, list[bytes]] = {}
         self._pending_store_keys = 0
-        # Events taken from the index early, to keep them ahead of a failed store's release (``_settle``).
+        # Events taken from the index early, to keep them ahead of a failed store's release (``_settle_store``).
         self._events: list[OffloadingEvent] = []
-        self._ready: set[bytes] = set()
-        self._pending: set[bytes] = set()
-        # Lookups counted by an itertools.count (cheaper than an int attribute); stats() reads it by advancing it.
-        self._lookups = itertools.count()
-        self._lookup_reads = 0
 
     # --- lookups and loads ---
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        next(self._lookups)
-        if key in self._ready:
-            return _HIT
-        return _HIT_PENDING if key in self._pending else _MISS
+        # Replaced on each instance by the index's KeyAnswers.lookup (``_reset_state``); the same answer.
+        return (_MISS, _HIT_PENDING, _HIT)[self.index.key_state(key)]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -230,11 +222,10 @@ class KvtierManager(OffloadingManager):
         if not keys:
             return CPULoadStoreSpec([])
         ticket, slots = self.index.load_keys(keys)
-        t = _Ticket(ticket, len(keys))
-        self._tickets[ticket] = t
+        t = _Load(ticket, len(keys))
         for key in keys:
             self._load_tickets.setdefault(key, deque()).append(t)
-        return CPULoadStoreSpec(list(slots))
+        return CPULoadStoreSpec(slots)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -244,7 +235,9 @@ class KvtierManager(OffloadingManager):
             t = queue.popleft()
             if not queue:
                 del self._load_tickets[key]
-            self._settle(t)
+            t.remaining -= 1
+            if t.remaining == 0:
+                self.index.complete(t.ticket)
 
     # --- stores ---
 
@@ -254,63 +247,49 @@ class KvtierManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         plan = self.index.store_keys(keys)
         if plan is None:
-            self._allocation_sizes.append(len({k for k in keys if k not in self._ready and k not in self._pending}))
+            self._allocation_sizes.append(len({k for k in keys if self.index.key_state(k) == _ABSENT}))
             return None
         # vLLM's OffloadKey is a NewType of bytes: the evicted keys' bytes are vLLM's keys as they are.
         ticket, indices, slots, evicted = plan
-        self._ready.difference_update(evicted)
-        if not indices:
+        if indices is not None and not indices:
             # Everything is on the host already: the ready pages the call held count as a use, and go back now
             # (vLLM reports no completion for a store with nothing to copy).
             self.index.complete(ticket)
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=evicted)
-        # The positions of distinct keys not on the host, in order: all of them when they are as many.
-        keys_to_store = keys if len(indices) == len(keys) else list(map(keys.__getitem__, indices))
+        # The positions of distinct keys not on the host, in order (None: every key).
+        keys_to_store = keys if indices is None else list(map(keys.__getitem__, indices))
         self._allocation_sizes.append(len(keys_to_store))
-        t = _Ticket(ticket, len(keys_to_store), keys=keys_to_store)
-        self._tickets[ticket] = t
-        self._store_ticket.update(zip(keys_to_store, itertools.repeat(t)))
-        self._pending.update(keys_to_store)
+        self._store_keys[ticket] = keys_to_store
         self._pending_store_keys += len(keys_to_store)
         return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        # Each key's ticket, counted (a key not being stored, already settled or stored by an earlier call, has
-        # none).
-        done: Counter[_Ticket | None] = Counter(map(self._store_ticket.pop, keys, itertools.repeat(None)))
-        # Settled oldest first, whatever the order of the keys (vLLM passes a set): what completes in one call ages
-        # the same in every process.
-        for t, n in sorted(((t, n) for t, n in done.items() if t is not None), key=lambda tn: tn[0].ticket):
-            self._pending_store_keys -= n
-            if not success:
-                t.failed = True
-            self._settle(t, n, req_context)
+        # A key not being stored, already reported or stored by an earlier call belongs to no store. The stores
+        # whose keys are all reported settle oldest first, whatever the order of the keys (vLLM passes a set):
+        # what completes in one call ages the same in every process.
+        matched, due = self.index.complete_keys(keys, success)
+        self._pending_store_keys -= matched
+        for ticket, failed in due:
+            self._settle_store(ticket, failed, req_context)
 
-    def _settle(self, t: _Ticket, n: int = 1, req_context: ReqContext | None = None) -> None:
-        t.remaining -= n
-        if t.remaining > 0:
-            return
-        del self._tickets[t.ticket]
+    def _settle_store(self, ticket: int, failed: bool, req_context: ReqContext) -> None:
+        keys = self._store_keys.pop(ticket)
         # A store's own events are told apart from the index's earlier ones where they carry something of it.
-        own_events = self.enable_events and t.keys is not None and (t.failed or _STORED_EVENT_NAMES_REQUEST)
+        own_events = self.enable_events and (failed or _STORED_EVENT_NAMES_REQUEST)
         if own_events:
             self._events.extend(self._index_events())
-        if t.failed:
-            self.index.abort(t.ticket)
+        if failed:
+            self.index.abort(ticket)
             if own_events:
                 # vLLM's event tracker keeps each pending key's metadata until an event releases it; a store that
                 # never completes is released without a public removal, as vLLM's CPU manager does.
-                self._events.append(OffloadingEvent(keys=t.keys, medium=Medium.CPU, removed=True, metadata_only=True))
+                self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True, metadata_only=True))
         else:
-            self.index.complete(t.ticket)
+            self.index.complete(ticket)
             if own_events:
                 for event in self._index_events():
                     event.req_context = req_context
                     self._events.append(event)
-        if t.keys is not None:
-            self._pending.difference_update(t.keys)
-            if not t.failed:
-                self._ready.update(t.keys)
 
     # --- requests, events, statistics ---
 
@@ -329,7 +308,7 @@ class KvtierManager(OffloadingManager):
         for event in events:
             if event.metadata_only:
                 # A key stored again since its failed store is owned by the new store: its metadata stays.
-                keys = [k for k in event.keys if k not in self._pending and k not in self._ready]
+                keys = [k for k in event.keys if self.index.key_state(k) == _ABSENT]
                 if not keys:
                     continue
                 event.keys = keys
@@ -353,14 +332,7 @@ class KvtierManager(OffloadingManager):
 
     def stats(self) -> dict[str, int | float]:
         """kvtier's own statistics of the index (lookups, hits, pages stored, evicted, ...)."""
-        s = self.index.stats()
-        lookups = next(self._lookups) - self._lookup_reads
-        self._lookup_reads += 1
-        s["lookups"] = int(s["lookups"]) + lookups
-        s["lookup_tokens"] = int(s["lookup_tokens"]) + lookups * self._tokens_per_slot
-        looked = int(s["lookup_tokens"])
-        s["token_hit_rate"] = int(s["hit_tokens"]) / looked if looked else 0.0
-        return s
+        return self.index.stats()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         s = self.index.stats()

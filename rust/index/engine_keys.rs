@@ -31,15 +31,123 @@ pub struct KeyStorePlan {
     pub evicted: Vec<Vec<u8>>,
 }
 
-/// The engine's bytes of the pool keys it named (some may have left the pool since).
+/// Where one engine key stands on the host (`Index::lookup_key`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyState {
+    Absent = 0,
+    /// Its page is being stored.
+    Pending = 1,
+    Ready = 2,
+}
+
+/// What `Index::complete_keys` found: how many of the keys belonged to a store in flight, and the stores all of
+/// whose keys are now reported, oldest first, each with whether any of its keys was reported failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyCompletion {
+    pub matched: usize,
+    pub due: Vec<(u64, bool)>,
+}
+
+/// An engine key's bytes, kept inline (a key is at most `MAX_ENGINE_KEY_BYTES`).
+#[derive(Clone, Copy)]
+pub(super) struct Name {
+    len: u8,
+    bytes: [u8; MAX_ENGINE_KEY_BYTES],
+}
+
+impl Name {
+    fn new(b: &[u8]) -> Self {
+        let mut bytes = [0u8; MAX_ENGINE_KEY_BYTES];
+        bytes[..b.len()].copy_from_slice(b);
+        Self { len: b.len() as u8, bytes }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+impl std::borrow::Borrow<[u8]> for Name {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::hash::Hash for Name {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.as_bytes().hash(h);
+    }
+}
+
+impl PartialEq for Name {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Name {}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:02x?}", self.as_bytes())
+    }
+}
+
+/// Hashes engine keys' bytes for the maps keyed by them: xxh3 under a seed drawn once a process (the keys come
+/// from the engine, so their spread is not trusted).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct NameHasher(u64);
+
+impl Default for NameHasher {
+    fn default() -> Self {
+        use std::hash::BuildHasher;
+        Self(std::collections::hash_map::RandomState::new().hash_one(0u64))
+    }
+}
+
+impl std::hash::BuildHasher for NameHasher {
+    type Hasher = NameState;
+    fn build_hasher(&self) -> NameState {
+        NameState(self.0)
+    }
+}
+
+pub(super) struct NameState(u64);
+
+impl std::hash::Hasher for NameState {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 ^= n as u64;
+    }
+}
+
+/// What the index knows of one engine key's bytes: its pool key under the current model version (None after the
+/// version changed), and the key store copying its page (0: none).
+#[derive(Clone, Copy, Debug)]
+struct Named {
+    key: Option<Key>,
+    store: u64,
+}
+
+/// The engine's bytes of the pool keys it named (some may have left the pool since), and for each name stored
+/// its pool key (so a key asked about alone is not hashed again) and the store copying its page.
 #[derive(Debug, Default)]
 pub(super) struct Names {
-    map: crate::pool::KeyMap<Box<[u8]>>,
+    map: crate::pool::KeyMap<Name>,
+    by_name: std::collections::HashMap<Name, Named, NameHasher>,
+    /// Keys also being copied by a store of an earlier model version (the same bytes name another page now),
+    /// oldest first: a report of such a key goes to the oldest store owed it.
+    older: Vec<(Name, u64)>,
 }
 
 impl Names {
     pub(super) fn get(&self, k: Key) -> Option<&[u8]> {
-        self.map.get(&k).map(|b| &b[..])
+        self.map.get(&k).map(Name::as_bytes)
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -50,6 +158,34 @@ impl Names {
     /// big-endian).
     pub(super) fn bytes(&self, k: Key) -> Vec<u8> {
         self.get(k).map_or_else(|| k.to_be_bytes().to_vec(), <[u8]>::to_vec)
+    }
+
+    /// A new model version: names map to other pool keys.
+    pub(super) fn new_version(&mut self) {
+        self.by_name.retain(|_, n| {
+            n.key = None;
+            n.store != 0
+        });
+    }
+
+    /// A key store settled: its keys not yet reported have nothing left to report.
+    pub(super) fn settle_store(&mut self, ticket: u64, pages: &crate::pool::Pool, slots: &[(u32, bool)]) {
+        for &(s, new) in slots {
+            let Some(name) = pages.entry(s).filter(|_| new).and_then(|e| self.map.get(&e.key)) else { continue };
+            if let Some(n) = self.by_name.get_mut(name.as_bytes()).filter(|n| n.store == ticket) {
+                n.store = 0;
+            }
+        }
+        self.older.retain(|&(_, id)| id != ticket);
+    }
+
+    /// The store owed a report of `key`, which it no longer is: the oldest.
+    fn take_store(&mut self, key: &[u8]) -> Option<u64> {
+        if let Some(i) = self.older.iter().position(|(name, _)| name.as_bytes() == key) {
+            return Some(self.older.remove(i).1);
+        }
+        let n = self.by_name.get_mut(key).filter(|n| n.store != 0)?;
+        Some(std::mem::take(&mut n.store))
     }
 }
 
@@ -63,6 +199,76 @@ impl Index {
             )));
         }
         Ok(self.engine_keys.key(key))
+    }
+
+    /// Where one engine key stands on the host (not counted as a lookup).
+    pub fn key_state(&self, key: &[u8]) -> Result<KeyState> {
+        let k = match self.names.by_name.get(key).and_then(|n| n.key) {
+            Some(k) => k,
+            None => self.engine_key(key)?,
+        };
+        Ok(match self.pages.slot_of(k).and_then(|s| self.pages.entry(s)) {
+            None => KeyState::Absent,
+            Some(e) if e.ready => KeyState::Ready,
+            Some(_) => KeyState::Pending,
+        })
+    }
+
+    /// `key_state`, counted as a lookup of one block.
+    pub fn lookup_key(&mut self, key: &[u8]) -> Result<KeyState> {
+        let state = self.key_state(key)?;
+        self.stats.lookups += 1;
+        self.stats.lookup_tokens += self.cfg.block_size as u64;
+        Ok(state)
+    }
+
+    /// Reports the copies of these keys done (`ok`) or failed. A key belongs to the `store_keys` call that
+    /// planned its copy, until reported once; keys of no store in flight are ignored. Settling is the caller's:
+    /// `complete` each due store that did not fail, `abort` each that did.
+    pub fn complete_keys<K: AsRef<[u8]>>(&mut self, keys: &[K], ok: bool) -> KeyCompletion {
+        let mut out = KeyCompletion::default();
+        for key in keys {
+            let Some(id) = self.names.take_store(key.as_ref()) else { continue };
+            out.matched += 1;
+            if let Some(Ticket { kind: TicketKind::KeyStore { remaining, failed }, .. }) = self.tickets.get_mut(&id) {
+                *remaining -= 1;
+                *failed |= !ok;
+                if *remaining == 0 {
+                    out.due.push((id, *failed));
+                }
+            }
+        }
+        out.due.sort_unstable();
+        out
+    }
+
+    /// Each key store in flight is owed as many reports as it has keys being copied, and each such key's page is
+    /// reserved, not ready.
+    pub(super) fn check_key_stores(&self) -> Result<()> {
+        let invariant = |m: String| Err(crate::error::Error::Invariant(m));
+        let mut owed: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+        let current = self.names.by_name.iter().filter(|(_, n)| n.store != 0).map(|(name, n)| (name, n.store));
+        for (name, id) in current.chain(self.names.older.iter().map(|(name, id)| (name, *id))) {
+            *owed.entry(id).or_default() += 1;
+            // A key named under an earlier model version maps to another pool key now.
+            if self.tickets.get(&id).is_some_and(|t| t.epoch == self.epoch) {
+                let k = self.engine_key(name.as_bytes())?;
+                if self.pages.slot_of(k).and_then(|s| self.pages.entry(s)).is_none_or(|e| e.ready) {
+                    return invariant(format!("key {name:?} of store {id} is not being stored"));
+                }
+            }
+        }
+        for (&id, t) in &self.tickets {
+            if let TicketKind::KeyStore { remaining, .. } = t.kind {
+                if owed.remove(&id).unwrap_or(0) != remaining {
+                    return invariant(format!("store {id} is owed {remaining} keys"));
+                }
+            }
+        }
+        match owed.into_keys().next() {
+            Some(id) => invariant(format!("keys are owed to store {id}, not in flight")),
+            None => Ok(()),
+        }
     }
 
     fn engine_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Key>> {
@@ -153,34 +359,50 @@ impl Index {
         if self.events.enabled() && !evicted.is_empty() {
             self.events.record(true, Medium::Cpu, evicted, evicted_names.clone());
         }
-        for (&i, &k) in indices.iter().zip(&missing) {
-            self.names.insert(k, keys[i as usize].as_ref());
-        }
         let ticket = self.issue(Ticket {
-            kind: TicketKind::KeyStore,
+            kind: TicketKind::KeyStore { remaining: missing.len(), failed: false },
             pages: held.iter().map(|&s| (s, false)).chain(slots.iter().map(|&s| (s, true))).collect(),
             states: Vec::new(),
             epoch: 0,
         });
+        for (&i, &k) in indices.iter().zip(&missing) {
+            self.names.insert(k, keys[i as usize].as_ref(), ticket);
+        }
         Ok(Some(KeyStorePlan { ticket, indices, slots, evicted: evicted_names }))
     }
 }
 
 impl Names {
-    fn insert(&mut self, k: Key, name: &[u8]) {
-        self.map.insert(k, name.into());
+    /// Names pool key `k`, whose page `store` copies.
+    fn insert(&mut self, k: Key, name: &[u8], store: u64) {
+        let name = Name::new(name);
+        self.map.insert(k, name);
+        if let Some(old) = self.by_name.insert(name, Named { key: Some(k), store }) {
+            if old.store != 0 {
+                self.older.push((name, old.store));
+            }
+        }
     }
 
     /// `bytes(k)`, forgetting the name.
     fn take(&mut self, k: Key) -> Vec<u8> {
-        self.map.remove(&k).map_or_else(|| k.to_be_bytes().to_vec(), <[u8]>::into_vec)
+        let Some(name) = self.map.remove(&k) else { return k.to_be_bytes().to_vec() };
+        if let Some(n) = self.by_name.get_mut(name.as_bytes()).filter(|n| n.key == Some(k)) {
+            if n.store == 0 {
+                self.by_name.remove(name.as_bytes());
+            } else {
+                n.key = None;
+            }
+        }
+        name.as_bytes().to_vec()
     }
 
-    /// Forgets the names of keys that left the pool, once they are as many as the pool's slots (so the map
-    /// stays within twice the pool, at O(1) a key).
+    /// Forgets the names of keys that left the pool, once they are as many as the pool's slots (so the maps
+    /// stay within twice the pool, at O(1) a key).
     fn prune(&mut self, pool: &crate::pool::Pool) {
         if self.map.len() > 2 * pool.capacity() as usize {
             self.map.retain(|&k, _| pool.slot_of(k).is_some());
+            self.by_name.retain(|_, n| n.store != 0 || n.key.is_some_and(|k| pool.slot_of(k).is_some()));
         }
     }
 }
@@ -215,6 +437,50 @@ mod tests {
         let names: Vec<(bool, Vec<Vec<u8>>)> = events.into_iter().map(|e| (e.removed, e.names)).collect();
         assert_eq!(names, [(false, vec![k(1), k(2), k(3)]), (true, vec![k(3)]), (false, vec![k(4)])]);
         assert_eq!(ix.stats().pages_stored, 4);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn keys_are_looked_up_one_at_a_time_and_stores_settle_when_every_key_is_reported() {
+        let mut ix = index(4);
+        assert_eq!(ix.lookup_key(&k(1)).unwrap(), KeyState::Absent);
+        let a = ix.store_keys(&[k(1), k(2)]).unwrap().unwrap();
+        let b = ix.store_keys(&[k(3)]).unwrap().unwrap();
+        assert_eq!(ix.lookup_key(&k(1)).unwrap(), KeyState::Pending);
+        ix.check().unwrap();
+        // Keys of no store in flight are ignored; a store is due once each of its keys is reported.
+        assert_eq!(ix.complete_keys(&[k(1), k(9)], true), KeyCompletion { matched: 1, due: vec![] });
+        assert_eq!(ix.complete_keys(&[k(1)], true).matched, 0, "a key is reported once");
+        ix.check().unwrap();
+        let c = ix.complete_keys(&[k(3), k(2)], false);
+        assert_eq!(c, KeyCompletion { matched: 2, due: vec![(a.ticket, true), (b.ticket, true)] }, "oldest first");
+        ix.abort(a.ticket).unwrap();
+        ix.complete(b.ticket).unwrap();
+        assert_eq!(ix.lookup_key(&k(1)).unwrap(), KeyState::Absent);
+        assert_eq!(ix.lookup_key(&k(3)).unwrap(), KeyState::Ready);
+        assert_eq!((ix.stats().lookups, ix.stats().lookup_tokens), (4, 16));
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn a_store_settled_early_owes_nothing_and_its_keys_may_be_stored_again() {
+        let mut ix = index(4);
+        let a = ix.store_keys(&[k(1), k(2)]).unwrap().unwrap();
+        ix.complete_keys(&[k(1)], true);
+        ix.abort(a.ticket).unwrap();
+        ix.check().unwrap();
+        let b = ix.store_keys(&[k(2)]).unwrap().unwrap();
+        assert_eq!(ix.complete_keys(&[k(2)], true).due, vec![(b.ticket, false)]);
+        ix.complete(b.ticket).unwrap();
+        // Under a new version the same bytes name another page: nothing is ready, and the old name is not reused.
+        assert!(ix.set_model_version(b"v2"));
+        assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Absent);
+        let c = ix.store_keys(&[k(2)]).unwrap().unwrap();
+        assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Pending);
+        assert_eq!(ix.complete_keys(&[k(2)], true).due, vec![(c.ticket, false)]);
+        ix.complete(c.ticket).unwrap();
+        assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Ready);
+        assert!(ix.lookup_key(&[0u8; 65]).is_err());
         ix.check().unwrap();
     }
 

@@ -23,6 +23,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStorePlan>()?;
     m.add_class::<PyReady>()?;
     m.add_class::<PyKvEvent>()?;
+    m.add_class::<PyKeyAnswers>()?;
     m.add_class::<PyPolicyState>()?;
     m.add("EVICTION_POLICIES", Policy::NAMES.to_vec())?;
     Ok(())
@@ -105,7 +106,26 @@ pub struct PyStorePlan {
     state_slots: Py<PyArray1<i32>>,
 }
 
-type KeyStoreTuple<'py> = (u64, Vec<u32>, Vec<u32>, Vec<Bound<'py, PyBytes>>);
+type KeyStoreTuple<'py> = (u64, Option<Vec<u32>>, Bound<'py, PyArray1<i32>>, Vec<Bound<'py, PyBytes>>);
+
+/// `Index.key_answers`: one engine key's state on the host, answered with the engine's own objects.
+#[pyclass(name = "KeyAnswers", module = "kvtier._core", frozen)]
+pub struct PyKeyAnswers {
+    index: Py<PyIndex>,
+    answers: [Py<PyAny>; 3],
+}
+
+#[pymethods]
+impl PyKeyAnswers {
+    /// The answer for `key` (bytes of 1 to 64); `req_context` (the engine's request context, named as vLLM names
+    /// it) is not read.
+    #[pyo3(signature = (key, req_context=None))]
+    fn lookup(&self, py: Python<'_>, key: &[u8], req_context: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        let _ = req_context;
+        let state = self.index.get().lock().lookup_key(key).map_err(to_py)?;
+        Ok(self.answers[state as usize].clone_ref(py))
+    }
+}
 
 /// Engine keys copied out of a sequence of bytes objects into one buffer (the GIL is released while the index
 /// works on them, and another thread may change the sequence meanwhile).
@@ -637,22 +657,49 @@ impl PyIndex {
     }
 
     /// Holds the pages of these engine keys for a host -> GPU copy (every one ready, else ValueError naming the
-    /// first that is not, and nothing is held): `(ticket, page_slots)`. Complete or abort the ticket.
-    fn load_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(u64, Vec<u32>)> {
+    /// first that is not, and nothing is held): `(ticket, page_slots)`, the slots an int32 array. Complete or
+    /// abort the ticket.
+    fn load_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<(u64, Bound<'py, PyArray1<i32>>)> {
         let keys = engine_keys(keys)?;
         let p = py.detach(|| self.lock().load_keys(&keys.views())).map_err(to_py)?;
-        Ok((p.ticket, p.page_slots.into_iter().flatten().collect()))
+        let slots: Vec<u32> = p.page_slots.into_iter().flatten().collect();
+        Ok((p.ticket, slots_array(py, &slots)))
     }
 
     /// Plans a GPU -> host store of the pages of these engine keys: `(ticket, indices, slots, evicted)`, the
-    /// positions of the keys to copy (those not on the host yet) with the slot each goes to, and the engine keys
-    /// evicted to make room; None when the pool cannot take them all (nothing changes). Complete the ticket once
-    /// the copies are done, abort it if they failed.
+    /// positions of the keys to copy (those not on the host yet; None when that is every key, in order) with the
+    /// slot each goes to (an int32 array), and the engine keys evicted to make room; None when the pool cannot
+    /// take them all (nothing changes). Report the keys' copies with `complete_keys`, or complete the ticket once
+    /// the copies are done and abort it if they failed.
     fn store_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Option<KeyStoreTuple<'py>>> {
         let keys = engine_keys(keys)?;
+        let n = keys.ends.len();
         let Some(p) = py.detach(|| self.lock().store_keys(&keys.views())).map_err(to_py)? else { return Ok(None) };
         let evicted = p.evicted.iter().map(|k| PyBytes::new(py, k)).collect();
-        Ok(Some((p.ticket, p.indices, p.slots, evicted)))
+        let indices = if p.indices.len() == n { None } else { Some(p.indices) };
+        Ok(Some((p.ticket, indices, slots_array(py, &p.slots), evicted)))
+    }
+
+    /// Where one engine key stands on the host: 0 absent, 1 being stored, 2 ready. Not counted as a lookup
+    /// (`key_answers` counts).
+    fn key_state(&self, key: &[u8]) -> PyResult<u8> {
+        Ok(self.lock().key_state(key).map_err(to_py)? as u8)
+    }
+
+    /// Reports the copies of these engine keys done (`ok`) or failed: `(matched, due)`, how many of them belonged
+    /// to a store in flight (each key belongs to the `store_keys` call that planned its copy until reported once;
+    /// others are ignored), and the stores all of whose keys are now reported, oldest first, as `(ticket,
+    /// failed)`. Complete each due ticket that did not fail, abort each that did.
+    fn complete_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ok: bool) -> PyResult<(usize, Vec<(u64, bool)>)> {
+        let keys = engine_keys(keys)?;
+        let done = py.detach(|| self.lock().complete_keys(&keys.views(), ok));
+        Ok((done.matched, done.due))
+    }
+
+    /// A callable `answers.lookup(key, req_context=None)` for an engine that asks about one key a call and wants its own
+    /// objects back: `absent`, `pending` or `ready` (see `key_state`), counted as a lookup of one block.
+    fn key_answers(slf: Py<Self>, absent: Py<PyAny>, pending: Py<PyAny>, ready: Py<PyAny>) -> PyKeyAnswers {
+        PyKeyAnswers { index: slf, answers: [absent, pending, ready] }
     }
 
     /// Drops a request's chain; returns whether the request was known.
