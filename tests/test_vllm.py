@@ -275,6 +275,12 @@ def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> Non
 
     s = manager.stats()
     assert (s["pages_stored"], s["pages_evicted"]) == (5, 1)
+    # Each one-key lookup counts as a lookup of one slot's tokens; the class's lookup answers as the instance's.
+    assert (s["lookups"], s["lookup_tokens"]) == (7, 7 * 16)
+    assert [kv.KvtierManager.lookup(manager, k, ctx) for k in (a, evicted)] == [LookupResult.HIT, LookupResult.MISS]
+    assert manager.lookup(key=a, req_context=ctx) is LookupResult.HIT
+    with pytest.raises(ValueError, match="65 bytes"):
+        manager.lookup(b"x" * 65, ctx)
     manager.reset_cache()
     assert manager.lookup(a, ctx) is LookupResult.MISS
     assert manager.index.stats()["pages_used"] == 0
@@ -729,7 +735,7 @@ def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200)
                     m.complete_load(hits, ctx)
         for m, ctx in zip((ref, ours), contexts, strict=True):
             m.on_request_finished(ctx)
-        # The manager answers lookups from its mirror of the pool: it agrees with the index on every key.
+        # The manager's one-key lookups (the index's KeyAnswers) agree with the index's lookup of each key alone.
         for k in (key(i) for i in range(keys)):
             hits, pending = ours.index.lookup_keys([k])
             want = LookupResult.HIT if hits else LookupResult.HIT_PENDING if pending else LookupResult.MISS
