@@ -140,7 +140,7 @@ fn engine_keys(c: &mut Criterion) {
             },
             |mut ix| {
                 ix.store_keys(black_box(&b2)).unwrap().unwrap();
-                for (t, _) in ix.complete_keys(&b2, true).due {
+                for (t, _) in ix.complete_keys(&b2, true).unwrap().due {
                     ix.complete(t).unwrap();
                 }
                 ix
@@ -155,7 +155,7 @@ fn engine_keys(c: &mut Criterion) {
         b.iter(|| {
             at = (at + 1) % sets.len();
             let p = ix.store_keys(black_box(&sets[at])).unwrap().unwrap();
-            for (t, _) in ix.complete_keys(&sets[at], true).due {
+            for (t, _) in ix.complete_keys(&sets[at], true).unwrap().due {
                 ix.complete(t).unwrap();
             }
             p.evicted.len()

@@ -1252,7 +1252,7 @@ mod fuzz {
                     }
                     Op::Report { keys, ok } => {
                         let keys: Vec<[u8; 2]> = keys.into_iter().map(|k| [k, 7]).collect();
-                        let done = ix.complete_keys(&keys, ok);
+                        let done = ix.complete_keys(&keys, ok).unwrap();
                         prop_assert!(done.matched <= keys.len());
                         for (t, failed) in done.due {
                             prop_assert!(failed || ok);

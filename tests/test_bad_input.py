@@ -495,3 +495,32 @@ def test_staging_that_cannot_fit_on_the_gpu_is_refused():
             select_state=callback,
             load_state=callback,
         )
+
+
+def test_engine_key_calls_name_the_bad_key_and_change_nothing() -> None:
+    """The index's calls on the engine's own keys: a key of the wrong length or type is refused, naming it, before
+    anything is reserved, reported or counted."""
+    from kvtier._core import Index, IndexConfig
+
+    ix = Index(IndexConfig(4, block_size=16))
+    ticket, indices, slots, evicted = ix.store_keys([b"a" * 36, b"b" * 36])
+    assert (indices, slots.tolist(), evicted) == (None, [0, 1], [])
+    before = ix.stats()
+    for call, message in [
+        (lambda: ix.store_keys([b"c" * 36, b"d" * 65]), "keys[1]: an engine key must be 1 to 64 bytes, got 65"),
+        (lambda: ix.complete_keys([b"a" * 36, b""], True), "keys[1]: an engine key must be 1 to 64 bytes, got 0"),
+        (lambda: ix.key_state(b""), "1 to 64 bytes, got 0"),
+        (lambda: ix.key_answers(0, 1, 2).lookup(b"x" * 65), "1 to 64 bytes, got 65"),
+    ]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            call()
+    with pytest.raises(TypeError, match=r"keys\[0\] must be bytes, got str"):
+        ix.complete_keys(["a" * 36], True)
+    with pytest.raises(TypeError):
+        ix.key_state("a" * 36)  # type: ignore[arg-type]
+    assert ix.stats() == before
+    # Nothing was reported: both keys are still owed to the store.
+    assert ix.complete_keys([b"a" * 36, b"b" * 36], True) == (2, [(ticket, False)])
+    ix.complete(ticket)
+    assert [ix.key_state(k) for k in (b"a" * 36, b"c" * 36)] == [2, 0]
+    ix.check()

@@ -377,6 +377,10 @@ class PyIndex:
     def complete_keys(self, keys: Iterable[bytes], ok: bool) -> tuple[int, list[tuple[int, bool]]]:
         """(matched, due): each key reported settles one report the oldest store owed it; stores owed nothing
         more are due, oldest first, with whether one of their keys failed."""
+        keys = list(keys)
+        for i, key in enumerate(keys):
+            if not 1 <= len(key) <= 64:
+                raise ValueError(f"keys[{i}]: an engine key must be 1 to 64 bytes, got {len(key)} bytes")
         matched, due = 0, []
         for key in keys:
             stores = self.owed.get(bytes(key))

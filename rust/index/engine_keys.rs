@@ -12,6 +12,17 @@ use crate::index::SlotPlan;
 /// The longest engine key taken.
 pub const MAX_ENGINE_KEY_BYTES: usize = 64;
 
+/// An error naming the first key that is not 1 to `MAX_ENGINE_KEY_BYTES` bytes.
+fn check_lengths<K: AsRef<[u8]>>(keys: &[K]) -> Result<()> {
+    match keys.iter().position(|k| !(1..=MAX_ENGINE_KEY_BYTES).contains(&k.as_ref().len())) {
+        Some(i) => Err(invalid(format!(
+            "keys[{i}]: an engine key must be 1 to {MAX_ENGINE_KEY_BYTES} bytes, got {} bytes",
+            keys[i].as_ref().len()
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// What the host holds of a run of engine keys now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyLookup {
@@ -225,7 +236,8 @@ impl Index {
     /// Reports the copies of these keys done (`ok`) or failed. A key belongs to the `store_keys` call that
     /// planned its copy, until reported once; keys of no store in flight are ignored. Settling is the caller's:
     /// `complete` each due store that did not fail, `abort` each that did.
-    pub fn complete_keys<K: AsRef<[u8]>>(&mut self, keys: &[K], ok: bool) -> KeyCompletion {
+    pub fn complete_keys<K: AsRef<[u8]>>(&mut self, keys: &[K], ok: bool) -> Result<KeyCompletion> {
+        check_lengths(keys)?;
         let mut out = KeyCompletion::default();
         for key in keys {
             let Some(id) = self.names.take_store(key.as_ref()) else { continue };
@@ -239,7 +251,7 @@ impl Index {
             }
         }
         out.due.sort_unstable();
-        out
+        Ok(out)
     }
 
     /// Each key store in flight is owed as many reports as it has keys being copied, and each such key's page is
@@ -272,10 +284,7 @@ impl Index {
     }
 
     fn engine_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Key>> {
-        if let Some(i) = keys.iter().position(|k| !(1..=MAX_ENGINE_KEY_BYTES).contains(&k.as_ref().len())) {
-            let e = self.engine_key(keys[i].as_ref()).expect_err("a key of a bad length");
-            return Err(invalid(format!("keys[{i}]: {e}")));
-        }
+        check_lengths(keys)?;
         Ok(self.engine_keys.keys(keys))
     }
 
@@ -449,10 +458,10 @@ mod tests {
         assert_eq!(ix.lookup_key(&k(1)).unwrap(), KeyState::Pending);
         ix.check().unwrap();
         // Keys of no store in flight are ignored; a store is due once each of its keys is reported.
-        assert_eq!(ix.complete_keys(&[k(1), k(9)], true), KeyCompletion { matched: 1, due: vec![] });
-        assert_eq!(ix.complete_keys(&[k(1)], true).matched, 0, "a key is reported once");
+        assert_eq!(ix.complete_keys(&[k(1), k(9)], true).unwrap(), KeyCompletion { matched: 1, due: vec![] });
+        assert_eq!(ix.complete_keys(&[k(1)], true).unwrap().matched, 0, "a key is reported once");
         ix.check().unwrap();
-        let c = ix.complete_keys(&[k(3), k(2)], false);
+        let c = ix.complete_keys(&[k(3), k(2)], false).unwrap();
         assert_eq!(c, KeyCompletion { matched: 2, due: vec![(a.ticket, true), (b.ticket, true)] }, "oldest first");
         ix.abort(a.ticket).unwrap();
         ix.complete(b.ticket).unwrap();
@@ -466,21 +475,23 @@ mod tests {
     fn a_store_settled_early_owes_nothing_and_its_keys_may_be_stored_again() {
         let mut ix = index(4);
         let a = ix.store_keys(&[k(1), k(2)]).unwrap().unwrap();
-        ix.complete_keys(&[k(1)], true);
+        ix.complete_keys(&[k(1)], true).unwrap();
         ix.abort(a.ticket).unwrap();
         ix.check().unwrap();
         let b = ix.store_keys(&[k(2)]).unwrap().unwrap();
-        assert_eq!(ix.complete_keys(&[k(2)], true).due, vec![(b.ticket, false)]);
+        assert_eq!(ix.complete_keys(&[k(2)], true).unwrap().due, vec![(b.ticket, false)]);
         ix.complete(b.ticket).unwrap();
         // Under a new version the same bytes name another page: nothing is ready, and the old name is not reused.
         assert!(ix.set_model_version(b"v2"));
         assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Absent);
         let c = ix.store_keys(&[k(2)]).unwrap().unwrap();
         assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Pending);
-        assert_eq!(ix.complete_keys(&[k(2)], true).due, vec![(c.ticket, false)]);
+        assert_eq!(ix.complete_keys(&[k(2)], true).unwrap().due, vec![(c.ticket, false)]);
         ix.complete(c.ticket).unwrap();
         assert_eq!(ix.lookup_key(&k(2)).unwrap(), KeyState::Ready);
         assert!(ix.lookup_key(&[0u8; 65]).is_err());
+        let e = ix.complete_keys(&[k(2), Vec::new()], true).unwrap_err().to_string();
+        assert_eq!(e, "keys[1]: an engine key must be 1 to 64 bytes, got 0 bytes");
         ix.check().unwrap();
     }
 

@@ -692,7 +692,7 @@ impl PyIndex {
     /// failed)`. Complete each due ticket that did not fail, abort each that did.
     fn complete_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ok: bool) -> PyResult<(usize, Vec<(u64, bool)>)> {
         let keys = engine_keys(keys)?;
-        let done = py.detach(|| self.lock().complete_keys(&keys.views(), ok));
+        let done = py.detach(|| self.lock().complete_keys(&keys.views(), ok)).map_err(to_py)?;
         Ok((done.matched, done.due))
     }
 
