@@ -322,6 +322,7 @@ extern "C" int kvtier_memcpy_2d_batch(int device, const kvtier_copy2d* ops, size
     dev.op.ptr.ptr = reinterpret_cast<void*>(c.dev);
     dev.op.ptr.rowLength = c.height > 1 ? c.dev_pitch : 0;  // elements of one byte; 0: rows packed
     host.op.ptr.ptr = reinterpret_cast<void*>(c.host);
+    host.op.ptr.rowLength = c.height > 1 ? c.host_pitch : 0;
     cudaMemcpy3DBatchOp& op = list[i];
     std::memset(&op, 0, sizeof(op));
     op.src = to_host ? dev : host;

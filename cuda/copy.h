@@ -79,14 +79,16 @@ int kvtier_memcpy_batch(int device, void* const* dsts, const void* const* srcs, 
 // The base address of the CUDA allocation that holds device address `ptr` (a 2D copy may not span two).
 int kvtier_cuda_allocation_base(uint64_t ptr, uint64_t* base);
 
-// One 2D copy between a GPU pool and a host page: `height` rows of `width` bytes, a row `dev_pitch` bytes after the
-// previous one on the GPU side and right after it on the host side (a page's segments of evenly spaced layers).
+// One 2D copy between a GPU pool and host pages: `height` rows of `width` bytes, a row `dev_pitch` bytes after the
+// previous one on the GPU side and `host_pitch` bytes after it on the host side (a page's segments of evenly spaced
+// layers, rows back to back on the host; or one layer's segments of consecutive blocks and slots).
 typedef struct {
   uint64_t dev;
   uint64_t host;
   uint64_t width;
   uint64_t height;
   uint64_t dev_pitch;
+  uint64_t host_pitch;
 } kvtier_copy2d;
 
 // One cudaMemcpy3DBatchAsync of n 2D copies, device to host when to_host, on `stream` of `device` in stream order,

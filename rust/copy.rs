@@ -135,6 +135,34 @@ struct LayerRun {
     spacing: u64,
 }
 
+/// The copy engine's shapes of a batch (`PageCopier::dma_shape`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Pieces,
+    PageRows,
+    BlockRows,
+}
+
+/// The maximal runs of a batch's pages whose GPU blocks and host slots both go up by one.
+fn block_runs(gpu_ids: &[i32], host_slots: &[i32]) -> Vec<Range<usize>> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for i in 1..=gpu_ids.len() {
+        if i == gpu_ids.len() || gpu_ids[i] != gpu_ids[i - 1] + 1 || host_slots[i] != host_slots[i - 1] + 1 {
+            runs.push(start..i);
+            start = i;
+        }
+    }
+    runs
+}
+
+/// One segment (at `off` in the host pool) that crosses a pin step, as one 1-row copy a step it touches.
+fn step_row(ops: &mut Vec<Copy2d>, dev: u64, host_base: u64, off: u64, seg: u64, step: u64) {
+    for (at, width) in step_cuts(off, seg, step) {
+        ops.push(Copy2d { dev: dev + at, host: host_base + off + at, width, height: 1, dev_pitch: 0, host_pitch: 0 });
+    }
+}
+
 /// The layer runs of a pool's layers, in order (single layers where no spacing repeats); `allocation` names the
 /// allocation that holds an address (None: unknown, so no run).
 fn layer_runs(layers: &[Layer], segment_bytes: u64, allocation: impl Fn(u64) -> Option<u64>) -> Vec<LayerRun> {
@@ -363,9 +391,12 @@ impl PageCopier {
         stream: u64,
         layers: Range<usize>,
     ) -> Result<()> {
-        let rows = |r: &LayerRun| r.layers.end.min(layers.end).saturating_sub(r.layers.start.max(layers.start));
-        if self.runs.iter().any(|r| rows(r) > 1) {
-            let ops = self.dma_ops(gpu_ids, host_slots, layers);
+        let ops = match self.dma_shape(gpu_ids, host_slots, &layers) {
+            Shape::Pieces => None,
+            Shape::PageRows => Some(self.dma_ops(gpu_ids, host_slots, layers.clone())),
+            Shape::BlockRows => Some(self.dma_block_ops(gpu_ids, host_slots, layers.clone())),
+        };
+        if let Some(ops) = ops {
             // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
             return unsafe {
                 cuda::memcpy_2d_batch(device, &ops, dir == Direction::ToHost, stream, self.opts.debug_sync)
@@ -378,6 +409,28 @@ impl PageCopier {
         };
         // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
         unsafe { cuda::memcpy_batch(device, &dsts, &srcs, &size, stream, self.opts.debug_sync) }
+    }
+
+    /// How the copy engine takes a batch: as 1D pieces, as 2D copies of a page's segments of evenly spaced layers
+    /// (`dma_ops`), or as 2D copies of one layer's segments of consecutive blocks and slots (`dma_block_ops`);
+    /// whichever makes the fewest copies (ties go to the simpler), counted before the cuts at pin steps.
+    fn dma_shape(&self, gpu_ids: &[i32], host_slots: &[i32], layers: &Range<usize>) -> Shape {
+        let pages = gpu_ids.len();
+        let rows = |r: &LayerRun| r.layers.end.min(layers.end).saturating_sub(r.layers.start.max(layers.start));
+        let pieces = self.piece_count(gpu_ids, host_slots, layers);
+        let page_rows = match self.runs.iter().any(|r| rows(r) > 1) {
+            true => pages * self.runs.iter().filter(|r| rows(r) > 0).count(),
+            false => usize::MAX,
+        };
+        let block_runs = block_runs(gpu_ids, host_slots).len();
+        let block_rows = if block_runs < pages { block_runs * layers.len() } else { usize::MAX };
+        if pieces <= page_rows.min(block_rows) {
+            Shape::Pieces
+        } else if page_rows <= block_rows {
+            Shape::PageRows
+        } else {
+            Shape::BlockRows
+        }
     }
 
     /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. The host
@@ -429,15 +482,54 @@ impl PageCopier {
                             width: seg,
                             height: rows,
                             dev_pitch: run.spacing,
+                            host_pitch: seg,
                         });
                         l += rows as usize;
                         continue;
                     }
-                    // The row crosses a step: one piece a step it touches.
-                    for (at, width) in step_cuts(off, seg, step) {
-                        ops.push(Copy2d { dev: dev + at, host: host_base + off + at, width, height: 1, dev_pitch: 0 });
-                    }
+                    step_row(&mut ops, dev, host_base, off, seg, step);
                     l += 1;
+                }
+            }
+        }
+        ops
+    }
+
+    /// The copy engine's 2D copies of a batch whose pages come in runs of consecutive GPU blocks and host slots:
+    /// one a layer and run, its rows the layer's segments of the run's pages (a block stride apart on the GPU, a
+    /// host slot apart on the host), cut where the rows would reach into the next pin step; a row across a step
+    /// goes in pieces.
+    fn dma_block_ops(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Vec<Copy2d> {
+        let seg = self.pool.segment_bytes;
+        let host_base = self.host.base_ptr();
+        let slot_bytes = self.host.slot_bytes();
+        let step = self.host.step_bytes();
+        let runs = block_runs(gpu_ids, host_slots);
+        let mut ops = Vec::with_capacity(runs.len() * layers.len());
+        for l in layers {
+            let layer = self.pool.layers[l];
+            for run in &runs {
+                let mut i = run.start;
+                while i < run.end {
+                    let dev = layer.base + gpu_ids[i] as u64 * layer.stride;
+                    let off = host_slots[i] as u64 * slot_bytes + l as u64 * seg;
+                    let step_end = (off / step + 1) * step;
+                    if off + seg > step_end {
+                        step_row(&mut ops, dev, host_base, off, seg, step);
+                        i += 1;
+                        continue;
+                    }
+                    // The rows that end inside this step.
+                    let rows = ((step_end - off - seg) / slot_bytes + 1).min((run.end - i) as u64);
+                    ops.push(Copy2d {
+                        dev,
+                        host: host_base + off,
+                        width: seg,
+                        height: rows,
+                        dev_pitch: layer.stride,
+                        host_pitch: slot_bytes,
+                    });
+                    i += rows as usize;
                 }
             }
         }
@@ -725,7 +817,14 @@ mod tests {
         // SAFETY: no copy is made.
         let c = unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions::default()).unwrap() };
         let hb = host.base_ptr();
-        let op = |dev, host: u64, width, height, dev_pitch| Copy2d { dev, host: hb + host, width, height, dev_pitch };
+        let op = |dev, host: u64, width, height, dev_pitch| Copy2d {
+            dev,
+            host: hb + host,
+            width,
+            height,
+            dev_pitch,
+            host_pitch: if dev_pitch > 0 || width == 1536 { 1536 } else { 0 },
+        };
         // Slot 0 lies inside the first step: one copy of three rows, one of the fourth layer.
         assert_eq!(
             c.dma_ops(&[2], &[0], 0..4),
@@ -745,6 +844,117 @@ mod tests {
         );
         // Some layers only: the run is cut to them.
         assert_eq!(c.dma_ops(&[0], &[0], 1..3), vec![op(0x20000, 1536, 1536, 2, 0x10000)]);
+    }
+
+    #[test]
+    fn block_runs_need_both_sides_to_go_up_by_one() {
+        assert_eq!(block_runs(&[4, 5, 6, 9, 10, 3], &[0, 1, 2, 3, 5, 6]), vec![0..3, 3..4, 4..5, 5..6]);
+        assert_eq!(block_runs(&[7], &[2]), vec![0..1]);
+        assert!(block_runs(&[], &[]).is_empty());
+    }
+
+    /// Layers of 1536-byte segments whose block strides alternate (2048, 2560 bytes), so no two make a layer run, as
+    /// separately allocated layers make none; 6144-byte host pages, 8192-byte pin steps. Nothing is copied: the
+    /// addresses are only arithmetic.
+    fn separate_layers() -> (Arc<HostPool>, PageCopier) {
+        layers_of([(0x100000, 2048), (0x300000, 2560), (0x400000, 2048), (0x900000, 2560)])
+    }
+
+    fn layers_of(layers: [(u64, u64); 4]) -> (Arc<HostPool>, PageCopier) {
+        let layers = layers.map(|(base, stride)| Layer { base, stride }).to_vec();
+        let host = Arc::new(HostPool::new(8, 6144, 8192, Some(false)).unwrap());
+        host.grow_to(8).unwrap();
+        let pool = GpuPool { layers, num_blocks: 16, segment_bytes: 1536, device: None };
+        // SAFETY: no copy is made.
+        let c = unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions::default()).unwrap() };
+        (host, c)
+    }
+
+    #[test]
+    fn dma_block_ops_are_a_layer_a_run_cut_at_pin_steps() {
+        let (host, c) = separate_layers();
+        let hb = host.base_ptr();
+        // Blocks 3..6 to slots 0..3 (host 0..18432), layer 0 (segments at 0, 6144, 12288): the first two rows end
+        // inside step 0 (..8192), the third is in step 1. Layer 1 (1536, 7680, 13824): the second row crosses 8192.
+        let ops = c.dma_block_ops(&[3, 4, 5], &[0, 1, 2], 0..2);
+        let row = |dev: u64, host: u64, width, height, dev_pitch| Copy2d {
+            dev,
+            host: hb + host,
+            width,
+            height,
+            dev_pitch,
+            host_pitch: if dev_pitch > 0 { 6144 } else { 0 },
+        };
+        let (l0, l1) = (0x100000 + 3 * 2048, 0x300000 + 3 * 2560);
+        assert_eq!(
+            ops,
+            vec![
+                row(l0, 0, 1536, 2, 2048),
+                row(l0 + 2 * 2048, 12288, 1536, 1, 2048),
+                row(l1, 1536, 1536, 1, 2560),
+                row(l1 + 2560, 7680, 512, 1, 0),
+                row(l1 + 2560 + 512, 8192, 1024, 1, 0),
+                row(l1 + 2 * 2560, 13824, 1536, 1, 2560),
+            ]
+        );
+        assert_eq!(c.dma_shape(&[3, 4, 5], &[0, 1, 2], &(0..4)), Shape::BlockRows);
+        // No run: one piece a page and layer is as few.
+        assert_eq!(c.dma_shape(&[3, 9, 5], &[0, 1, 2], &(0..4)), Shape::Pieces);
+    }
+
+    /// Each copy's rows as (host address, GPU address, bytes), checking that none spans two pin steps.
+    fn rows_of(ops: &[Copy2d], step: u64, host_base: u64) -> Vec<(u64, u64, u64)> {
+        let mut rows = Vec::new();
+        for op in ops {
+            let first = (op.host - host_base) / step;
+            let last = (op.host - host_base + (op.height - 1) * op.host_pitch + op.width - 1) / step;
+            assert_eq!(first, last, "{op:?} spans two pin steps");
+            rows.extend((0..op.height).map(|r| (op.host + r * op.host_pitch, op.dev + r * op.dev_pitch, op.width)));
+        }
+        rows
+    }
+
+    /// Every byte of a batch, host address to GPU address.
+    fn byte_map(rows: impl IntoIterator<Item = (u64, u64, u64)>) -> std::collections::BTreeMap<u64, u64> {
+        let mut map = std::collections::BTreeMap::new();
+        for (host, dev, len) in rows {
+            for b in 0..len {
+                assert!(map.insert(host + b, dev + b).is_none(), "host byte {:#x} copied twice", host + b);
+            }
+        }
+        map
+    }
+
+    #[test]
+    fn every_copy_engine_shape_moves_the_same_bytes() {
+        // Evenly spaced layers (one layer run) as well as layers that make no run.
+        let even = layers_of([(0x100000, 2048), (0x200000, 2048), (0x300000, 2048), (0x400000, 2048)]);
+        for (host, c) in [separate_layers(), even] {
+            same_bytes_every_shape(&host, &c);
+        }
+    }
+
+    fn same_bytes_every_shape(host: &HostPool, c: &PageCopier) {
+        let (hb, step) = (host.base_ptr(), host.step_bytes());
+        let batches: [(&[i32], &[i32]); 4] = [
+            (&[3, 4, 5, 6, 7], &[0, 1, 2, 3, 4]),
+            (&[0, 1, 2, 9, 10, 15], &[7, 6, 5, 1, 2, 3]),
+            (&[8, 9, 10, 11, 12, 13, 14, 15], &[0, 1, 2, 3, 4, 5, 6, 7]),
+            (&[2], &[5]),
+        ];
+        for (ids, slots) in batches {
+            for layers in [0..4, 1..3, 3..4] {
+                let p = c.dma_pieces(ids, slots, layers.clone());
+                for (&h, &size) in p.host.iter().zip(&p.size) {
+                    assert_eq!((h - hb) / step, (h - hb + size as u64 - 1) / step, "a piece spans two pin steps");
+                }
+                let want = byte_map(p.host.iter().zip(&p.dev).zip(&p.size).map(|((&h, &d), &n)| (h, d, n as u64)));
+                let block = byte_map(rows_of(&c.dma_block_ops(ids, slots, layers.clone()), step, hb));
+                assert_eq!(block, want, "block rows of {ids:?} -> {slots:?}, layers {layers:?}");
+                let page = byte_map(rows_of(&c.dma_ops(ids, slots, layers.clone()), step, hb));
+                assert_eq!(page, want, "page rows of {ids:?} -> {slots:?}, layers {layers:?}");
+            }
+        }
     }
 
     #[test]

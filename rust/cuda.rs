@@ -247,7 +247,7 @@ pub fn allocation_base(ptr: u64) -> Option<u64> {
 }
 
 /// One 2D copy (`kvtier_copy2d` in cuda/copy.h): `height` rows of `width` bytes, `dev_pitch` bytes apart on the GPU
-/// side and back to back on the host side.
+/// side and `host_pitch` apart on the host side (pitches unused for one row).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Copy2d {
@@ -256,6 +256,7 @@ pub struct Copy2d {
     pub width: u64,
     pub height: u64,
     pub dev_pitch: u64,
+    pub host_pitch: u64,
 }
 
 /// One copy-engine batch of 2D copies (cudaMemcpy3DBatchAsync), device to host when `to_host`, on `stream` (not the

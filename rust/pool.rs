@@ -270,6 +270,7 @@ impl Pool {
         }
         debug_assert!(keys.iter().all(|k| !self.map.contains_key(k)), "reserve of a present key");
         let mut slots = Vec::with_capacity(keys.len());
+        let mut lists = Vec::with_capacity(keys.len());
         let mut evicted = Vec::new();
         for &key in keys {
             let list = self.admit(key);
@@ -281,14 +282,20 @@ impl Pool {
                     s
                 }
             };
+            self.lists[list].members += 1;
+            slots.push(slot);
+            lists.push(list);
+        }
+        // The keys get the slots in ascending order: a run of keys (a prompt's pages) lands in runs of consecutive
+        // slots, which a copy moves in fewer pieces. Which slot a new entry has is nothing to the policy.
+        slots.sort_unstable();
+        for ((&key, &slot), list) in keys.iter().zip(&slots).zip(lists) {
             let s = &mut self.slots[slot as usize];
             s.entry = Some(Entry { key, refs: 1, ready: false });
             s.list = list;
             s.used = false;
             s.epoch = self.epoch;
-            self.lists[list].members += 1;
             self.map.insert(key, slot);
-            slots.push(slot);
         }
         Some((slots, evicted))
     }

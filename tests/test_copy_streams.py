@@ -241,6 +241,18 @@ def test_2d_copies_across_separate_allocations() -> None:
 
 @pytest.mark.gpu
 @cuda
+def test_2d_copies_of_runs_of_blocks_in_separate_allocations() -> None:
+    """Layer tensors allocated one by one, pages in runs of consecutive blocks and slots: each layer's segments of a
+    run go as one 2D copy (a block stride apart on the GPU, a host page apart on the host), cut where the host rows
+    reach into the next 1 MiB pin step, and the bytes are exact both ways."""
+    layers, blocks, segment = 5, 64, 192 << 10  # host pages of 960 KiB: rows cross the pin steps at odd places
+    torch.cuda.empty_cache()
+    pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    _round_trip_by_dma(pool, [3, 4, 5, 6, 7, 8, 20, 21, 40, 41, 42])
+
+
+@pytest.mark.gpu
+@cuda
 def test_auto_chooses_by_piece_size_and_never_dma_on_the_legacy_stream() -> None:
     pool, host = _pools(1, 64 << 10, 64, 64, seed=1)
     copier = PageCopier(pool[0], host, method="auto", crossover_bytes=256 << 10)

@@ -99,16 +99,20 @@ class Pool:
         """(slots, evicted keys), or None (nothing changed) when the keys do not fit."""
         if len(keys) > self.available():
             return None
-        slots, evicted = [], []
+        slots, segments, evicted = [], [], []
         for key in keys:
             segment = self._admit(key)
             if self.free:
-                slot = self.free.pop()
+                slots.append(self.free.pop())
             else:
-                old, slot = self._evict()
+                # The call's earlier keys count in probation's size, as entries, before they have their slots.
+                old, slot = self._evict(segments.count(0))
                 evicted.append(old)
+                slots.append(slot)
+            segments.append(segment)
+        slots.sort()  # the keys get the slots in ascending order
+        for key, slot, segment in zip(keys, slots, segments, strict=True):
             self.entries[key] = Entry(slot, 1, False, segment)
-            slots.append(slot)
         return slots, evicted
 
     def _admit(self, key: int) -> int:
@@ -125,10 +129,10 @@ class Pool:
                 return 1
         return 0
 
-    def _evict(self) -> tuple[int, int]:
+    def _evict(self, pending_probation: int = 0) -> tuple[int, int]:
         probation, protected = self.lists
         if probation and protected:
-            over = sum(e.segment == 0 for e in self.entries.values()) * 16 > self.target
+            over = (sum(e.segment == 0 for e in self.entries.values()) + pending_probation) * 16 > self.target
             older = self.listed_at[next(iter(probation))] < self.listed_at[next(iter(protected))]
             segment = 0 if over or older else 1
         else:
