@@ -99,7 +99,9 @@ class Pool:
         """(slots, evicted keys), or None (nothing changed) when the keys do not fit."""
         if len(keys) > self.available():
             return None
-        slots, segments, evicted = [], [], []
+        slots: list[int] = []
+        segments: list[int] = []
+        evicted: list[int] = []
         for key in keys:
             segment = self._admit(key)
             if self.free:
