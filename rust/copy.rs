@@ -418,9 +418,10 @@ impl PageCopier {
         let pages = gpu_ids.len();
         let rows = |r: &LayerRun| r.layers.end.min(layers.end).saturating_sub(r.layers.start.max(layers.start));
         let pieces = self.piece_count(gpu_ids, host_slots, layers);
-        let page_rows = match self.runs.iter().any(|r| rows(r) > 1) {
-            true => pages * self.runs.iter().filter(|r| rows(r) > 0).count(),
-            false => usize::MAX,
+        let page_rows = if self.runs.iter().any(|r| rows(r) > 1) {
+            pages * self.runs.iter().filter(|r| rows(r) > 0).count()
+        } else {
+            usize::MAX
         };
         let block_runs = block_runs(gpu_ids, host_slots).len();
         let block_rows = if block_runs < pages { block_runs * layers.len() } else { usize::MAX };
