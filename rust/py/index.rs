@@ -696,8 +696,8 @@ impl PyIndex {
         Ok((done.matched, done.due))
     }
 
-    /// A callable `answers.lookup(key, req_context=None)` for an engine that asks about one key a call and wants its own
-    /// objects back: `absent`, `pending` or `ready` (see `key_state`), counted as a lookup of one block.
+    /// A callable `answers.lookup(key, req_context=None)` for an engine that asks about one key a call and wants
+    /// its own objects back: `absent`, `pending` or `ready` (see `key_state`), counted as a lookup of one block.
     fn key_answers(slf: Py<Self>, absent: Py<PyAny>, pending: Py<PyAny>, ready: Py<PyAny>) -> PyKeyAnswers {
         PyKeyAnswers { index: slf, answers: [absent, pending, ready] }
     }
