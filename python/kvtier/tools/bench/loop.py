@@ -125,6 +125,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
                     v.clear()
         stats = cache.stats()
         runs = cache.layer_runs
+        pin_step = cache.settings.pin_step_bytes
     finally:
         cache.close()
     row: dict[str, Any] = {"layout": layout, "tokens": tokens, "method": method, "reps": a.reps}
@@ -134,6 +135,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     row["page_bytes"] = a.layers * layer_bytes
     row["layer_alloc"] = a.layer_alloc if layout == "layer-first" else "one"
     row["layer_runs"] = len(runs)
+    row["pin_step_bytes"] = pin_step
     row["errors"] = stats["errors"]
     return row
 
