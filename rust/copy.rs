@@ -4,8 +4,9 @@
 //! `base + b * stride`. The host page is contiguous, the layer segments back to back. On a CUDA device a batch goes
 //! by one of two methods on the caller's stream, never waited for: the copy kernel (one launch, or a few, see
 //! cuda/copy.cu) or the copy engine (one `cudaMemcpyBatchAsync` of the batch's pieces, where a piece is a run of
-//! segments contiguous on both sides; or, for layers evenly spaced in one allocation, one `cudaMemcpy3DBatchAsync`
-//! of 2D pieces, a page's segments of those layers each). `Method::Auto` takes the copy engine when the batch's mean
+//! segments contiguous on both sides; or one `cudaMemcpy3DBatchAsync` of 2D pieces: a page's segments of layers
+//! evenly spaced in one allocation each, or a layer's segments of a run of consecutive blocks and slots each;
+//! whichever shape makes the fewest copies). `Method::Auto` takes the copy engine when the batch's mean
 //! piece is at least the crossover (docs/PERFORMANCE.md), the kernel otherwise, and always on the legacy default
 //! stream, which the copy engine's batch call refuses, and where the driver lacks it. On a CPU pool the copy is a
 //! multi-threaded memcpy, complete on return. Every argument is validated before anything is copied.
@@ -136,11 +137,12 @@ struct LayerRun {
 }
 
 /// The copy engine's shapes of a batch (`PageCopier::dma_shape`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Shape {
     Pieces,
     PageRows,
-    BlockRows,
+    /// With the batch's runs of consecutive blocks and slots.
+    BlockRows(Vec<Range<usize>>),
 }
 
 /// The maximal runs of a batch's pages whose GPU blocks and host slots both go up by one.
@@ -154,6 +156,17 @@ fn block_runs(gpu_ids: &[i32], host_slots: &[i32]) -> Vec<Range<usize>> {
         }
     }
     runs
+}
+
+/// How many rows of `width` bytes, `pitch` apart from host pool offset `off` on, end inside the pin step `off` is
+/// in (0 when the first already reaches into the next).
+fn rows_in_step(off: u64, width: u64, pitch: u64, step: u64) -> u64 {
+    let step_end = (off / step + 1) * step;
+    if off + width > step_end {
+        0
+    } else {
+        (step_end - off - width) / pitch + 1
+    }
 }
 
 /// One segment (at `off` in the host pool) that crosses a pin step, as one 1-row copy a step it touches.
@@ -394,7 +407,7 @@ impl PageCopier {
         let ops = match self.dma_shape(gpu_ids, host_slots, &layers) {
             Shape::Pieces => None,
             Shape::PageRows => Some(self.dma_ops(gpu_ids, host_slots, layers.clone())),
-            Shape::BlockRows => Some(self.dma_block_ops(gpu_ids, host_slots, layers.clone())),
+            Shape::BlockRows(runs) => Some(self.dma_block_ops(gpu_ids, host_slots, &runs, layers.clone())),
         };
         if let Some(ops) = ops {
             // SAFETY: as for the kernel: validated ids, live pools, pinned host slots until completion.
@@ -423,14 +436,14 @@ impl PageCopier {
         } else {
             usize::MAX
         };
-        let block_runs = block_runs(gpu_ids, host_slots).len();
-        let block_rows = if block_runs < pages { block_runs * layers.len() } else { usize::MAX };
+        let runs = block_runs(gpu_ids, host_slots);
+        let block_rows = if runs.len() < pages { runs.len() * layers.len() } else { usize::MAX };
         if pieces <= page_rows.min(block_rows) {
             Shape::Pieces
         } else if page_rows <= block_rows {
             Shape::PageRows
         } else {
-            Shape::BlockRows
+            Shape::BlockRows(runs)
         }
     }
 
@@ -474,8 +487,7 @@ impl PageCopier {
                     let layer = self.pool.layers[l];
                     let dev = layer.base + g as u64 * layer.stride;
                     let off = h as u64 * slot_bytes + l as u64 * seg;
-                    let to_step = (off / step + 1) * step - off;
-                    let rows = (to_step / seg).min((end - l) as u64);
+                    let rows = rows_in_step(off, seg, seg, step).min((end - l) as u64);
                     if rows > 0 {
                         ops.push(Copy2d {
                             dev,
@@ -496,32 +508,35 @@ impl PageCopier {
         ops
     }
 
-    /// The copy engine's 2D copies of a batch whose pages come in runs of consecutive GPU blocks and host slots:
-    /// one a layer and run, its rows the layer's segments of the run's pages (a block stride apart on the GPU, a
-    /// host slot apart on the host), cut where the rows would reach into the next pin step; a row across a step
-    /// goes in pieces.
-    fn dma_block_ops(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Vec<Copy2d> {
+    /// The copy engine's 2D copies of a batch whose pages come in `runs` of consecutive GPU blocks and host slots
+    /// (`block_runs`): one a layer and run, its rows the layer's segments of the run's pages (a block stride apart
+    /// on the GPU, a host slot apart on the host), cut where the rows would reach into the next pin step; a row
+    /// across a step goes in pieces.
+    fn dma_block_ops(
+        &self,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        runs: &[Range<usize>],
+        layers: Range<usize>,
+    ) -> Vec<Copy2d> {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
         let step = self.host.step_bytes();
-        let runs = block_runs(gpu_ids, host_slots);
         let mut ops = Vec::with_capacity(runs.len() * layers.len());
         for l in layers {
             let layer = self.pool.layers[l];
-            for run in &runs {
+            for run in runs {
                 let mut i = run.start;
                 while i < run.end {
                     let dev = layer.base + gpu_ids[i] as u64 * layer.stride;
                     let off = host_slots[i] as u64 * slot_bytes + l as u64 * seg;
-                    let step_end = (off / step + 1) * step;
-                    if off + seg > step_end {
+                    let rows = rows_in_step(off, seg, slot_bytes, step).min((run.end - i) as u64);
+                    if rows == 0 {
                         step_row(&mut ops, dev, host_base, off, seg, step);
                         i += 1;
                         continue;
                     }
-                    // The rows that end inside this step.
-                    let rows = ((step_end - off - seg) / slot_bytes + 1).min((run.end - i) as u64);
                     ops.push(Copy2d {
                         dev,
                         host: host_base + off,
@@ -877,7 +892,8 @@ mod tests {
         let hb = host.base_ptr();
         // Blocks 3..6 to slots 0..3 (host 0..18432), layer 0 (segments at 0, 6144, 12288): the first two rows end
         // inside step 0 (..8192), the third is in step 1. Layer 1 (1536, 7680, 13824): the second row crosses 8192.
-        let ops = c.dma_block_ops(&[3, 4, 5], &[0, 1, 2], 0..2);
+        let (ids, slots) = ([3, 4, 5], [0, 1, 2]);
+        let ops = c.dma_block_ops(&ids, &slots, &block_runs(&ids, &slots), 0..2);
         let row = |dev: u64, host: u64, width, height, dev_pitch| Copy2d {
             dev,
             host: hb + host,
@@ -898,7 +914,8 @@ mod tests {
                 row(l1 + 2 * 2560, 13824, 1536, 1, 2560),
             ]
         );
-        assert_eq!(c.dma_shape(&[3, 4, 5], &[0, 1, 2], &(0..4)), Shape::BlockRows);
+        assert_eq!(c.dma_shape(&ids, &slots, &(0..4)), Shape::BlockRows(block_runs(&ids, &slots)));
+        assert_eq!(block_runs(&ids, &slots).len(), 1);
         // No run: one piece a page and layer is as few.
         assert_eq!(c.dma_shape(&[3, 9, 5], &[0, 1, 2], &(0..4)), Shape::Pieces);
     }
@@ -950,7 +967,8 @@ mod tests {
                     assert_eq!((h - hb) / step, (h - hb + size as u64 - 1) / step, "a piece spans two pin steps");
                 }
                 let want = byte_map(p.host.iter().zip(&p.dev).zip(&p.size).map(|((&h, &d), &n)| (h, d, n as u64)));
-                let block = byte_map(rows_of(&c.dma_block_ops(ids, slots, layers.clone()), step, hb));
+                let runs = block_runs(ids, slots);
+                let block = byte_map(rows_of(&c.dma_block_ops(ids, slots, &runs, layers.clone()), step, hb));
                 assert_eq!(block, want, "block rows of {ids:?} -> {slots:?}, layers {layers:?}");
                 let page = byte_map(rows_of(&c.dma_ops(ids, slots, layers.clone()), step, hb));
                 assert_eq!(page, want, "page rows of {ids:?} -> {slots:?}, layers {layers:?}");
