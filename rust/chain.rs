@@ -578,6 +578,12 @@ mod lanes {
         }
     }
 
+    /// Lane `l`'s output truncated to a key: its first four words, little-endian.
+    #[inline(always)]
+    fn lane_key<const L: usize>(cv: &[V<L>; 8], l: usize) -> Key {
+        (0..4).fold(0, |k, w| k | Key::from(cv[w][l]) << (32 * w))
+    }
+
     /// `keyed_hash(key, prev || digest)` truncated to a key: one compression.
     #[inline(always)]
     pub fn chain_step(key: &[u32; 8], prev: Key, digest: &[u32; 8]) -> Key {
@@ -590,7 +596,7 @@ mod lanes {
         }
         let mut cv: [V<1>; 8] = std::array::from_fn(|i| [key[i]]);
         compress(&mut cv, &m, [48], ONE_BLOCK);
-        (0..4).fold(0, |k, w| k | Key::from(cv[w][0]) << (32 * w))
+        lane_key(&cv, 0)
     }
 
     /// `keyed_hash(key, block bytes)` of `L` consecutive blocks of `block_size` ids (at most 1024 bytes each).
@@ -671,7 +677,7 @@ mod lanes {
         }
         let mut cv: [V<WIDE>; 8] = std::array::from_fn(|i| [key[i]; WIDE]);
         compress(&mut cv, &m, lens, ONE_BLOCK);
-        out.extend((0..WIDE).map(|l| (0..4).fold(0, |k, w| k | Key::from(cv[w][l]) << (32 * w))));
+        out.extend((0..WIDE).map(|l| lane_key(&cv, l)));
     }
 
     /// Appends the keyed hashes of as many whole groups of `WIDE` inputs (each 1 to `SHORT_BYTES` bytes) as

@@ -12,15 +12,23 @@ use crate::index::SlotPlan;
 /// The longest engine key taken.
 pub const MAX_ENGINE_KEY_BYTES: usize = 64;
 
+/// An error unless `key` is 1 to `MAX_ENGINE_KEY_BYTES` bytes.
+fn check_length(key: &[u8]) -> Result<()> {
+    if key.is_empty() || key.len() > MAX_ENGINE_KEY_BYTES {
+        return Err(invalid(format!(
+            "an engine key must be 1 to {MAX_ENGINE_KEY_BYTES} bytes, got {} bytes",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
 /// An error naming the first key that is not 1 to `MAX_ENGINE_KEY_BYTES` bytes.
 fn check_lengths<K: AsRef<[u8]>>(keys: &[K]) -> Result<()> {
-    match keys.iter().position(|k| !(1..=MAX_ENGINE_KEY_BYTES).contains(&k.as_ref().len())) {
-        Some(i) => Err(invalid(format!(
-            "keys[{i}]: an engine key must be 1 to {MAX_ENGINE_KEY_BYTES} bytes, got {} bytes",
-            keys[i].as_ref().len()
-        ))),
-        None => Ok(()),
+    for (i, k) in keys.iter().enumerate() {
+        check_length(k.as_ref()).map_err(|e| invalid(format!("keys[{i}]: {e}")))?;
     }
+    Ok(())
 }
 
 /// What the host holds of a run of engine keys now.
@@ -203,12 +211,7 @@ impl Names {
 impl Index {
     /// The pool key of an engine key (1 to 64 bytes) under the current model version.
     pub fn engine_key(&self, key: &[u8]) -> Result<Key> {
-        if key.is_empty() || key.len() > MAX_ENGINE_KEY_BYTES {
-            return Err(invalid(format!(
-                "an engine key must be 1 to {MAX_ENGINE_KEY_BYTES} bytes, got {} bytes",
-                key.len()
-            )));
-        }
+        check_length(key)?;
         Ok(self.engine_keys.key(key))
     }
 
