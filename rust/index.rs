@@ -12,7 +12,7 @@ use crate::pool::Pool;
 use crate::stats::Stats;
 
 mod engine_keys;
-pub use engine_keys::{KeyCompletion, KeyLookup, KeyState, KeyStorePlan, MAX_ENGINE_KEY_BYTES};
+pub use engine_keys::{KeyCompletion, KeyLookup, KeyState, KeyStorePlan, Name, MAX_ENGINE_KEY_BYTES};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -563,7 +563,7 @@ impl Index {
         };
         missing.truncate(take);
         let missing_keys: Vec<Key> = missing.iter().map(|&i| keys[i]).collect();
-        let (new_slots, evicted) = self.pages.reserve(&missing_keys).expect("bounded by available()");
+        let (new_slots, evicted) = self.pages.reserve_evicting(&missing_keys).expect("bounded by available()");
         self.record(true, Medium::Cpu, evicted);
         pages.extend(missing.iter().zip(&new_slots).map(|(&i, &s)| (i, s, true)));
         pages.sort_unstable_by_key(|p| p.0);
@@ -623,7 +623,7 @@ impl Index {
         if new_pages.len() > self.pages.available() || new_states.len() > self.states.available() {
             return Ok(None);
         }
-        let (page_new_slots, evicted) = self.pages.reserve(&new_pages).expect("checked available()");
+        let (page_new_slots, evicted) = self.pages.reserve_evicting(&new_pages).expect("checked available()");
         self.record(true, Medium::Cpu, evicted);
         let (state_new_slots, _) = self.states.reserve(&new_states).expect("checked available()");
         let pick = |pool: &Pool, keys: &[Key], fresh: &[Key]| -> Vec<Option<u32>> {
@@ -670,10 +670,10 @@ impl Index {
             if new {
                 self.pages.mark_ready(s)?;
                 self.stats.pages_stored += u64::from(stored);
-                resident.extend(self.pages.entry(s).map(|e| e.key));
+                resident.extend(self.pages.entry(s).map(|e| (s, e.key)));
             }
             // A retired entry met again (the version set back to an earlier one) is dropped at its last release.
-            removed.extend(self.pages.release(s)?);
+            removed.extend(self.pages.release(s)?.map(|k| (s, k)));
         }
         resident.reverse();
         self.record(false, Medium::Cpu, resident);
@@ -722,7 +722,7 @@ impl Index {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
         if let TicketKind::KeyStore { remaining, .. } = t.kind {
             if remaining > 0 {
-                self.names.settle_store(ticket, &self.pages, &t.pages);
+                self.names.settle_store(ticket, &t.pages);
             }
         }
         Ok(t)
@@ -737,13 +737,13 @@ impl Index {
         Ok(())
     }
 
-    fn drop_entries(pool: &mut Pool, entries: &[(u32, bool)]) -> Result<Vec<Key>> {
+    fn drop_entries(pool: &mut Pool, entries: &[(u32, bool)]) -> Result<Vec<(u32, Key)>> {
         let mut removed = Vec::new();
         for &(s, new) in entries {
             if new {
                 pool.discard(s)?;
             } else {
-                removed.extend(pool.release(s)?);
+                removed.extend(pool.release(s)?.map(|k| (s, k)));
             }
         }
         Ok(removed)
@@ -767,17 +767,22 @@ impl Index {
 
     /// The L3 tier stored (or found gone, `removed`) the objects holding these pages.
     pub fn record_storage(&mut self, removed: bool, keys: Vec<Key>) {
-        self.record(removed, Medium::Storage, keys);
+        let pages = keys.into_iter().map(|k| (self.pages.slot_of(k).unwrap_or(u32::MAX), k)).collect();
+        self.record(removed, Medium::Storage, pages);
     }
 
-    /// Records an event, naming engine-keyed pages by the engine's bytes.
-    fn record(&mut self, removed: bool, medium: Medium, keys: Vec<Key>) {
-        if !self.events.enabled() || keys.is_empty() {
+    /// Records an event of pages, each with the slot it has or had (`u32::MAX`: none), naming those stored by
+    /// engine key by the engine's bytes.
+    fn record(&mut self, removed: bool, medium: Medium, pages: Vec<(u32, Key)>) {
+        if !self.events.enabled() || pages.is_empty() {
             return;
         }
-        let names =
-            if self.names.is_empty() { Vec::new() } else { keys.iter().map(|&k| self.names.bytes(k)).collect() };
-        self.events.record(removed, medium, keys, names);
+        let names = if self.names.is_empty() {
+            Vec::new()
+        } else {
+            pages.iter().map(|&(s, k)| self.names.name(s, k).as_bytes().to_vec()).collect()
+        };
+        self.events.record(removed, medium, pages.into_iter().map(|(_, k)| k).collect(), names);
     }
 
     /// Counts an error the caller handled (a failed copy launch, a callback that raised).

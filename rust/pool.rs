@@ -47,6 +47,9 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// An entry evicted or dropped: the slot it had, and its key.
+pub type Evicted = (u32, Key);
+
 pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
 
 #[derive(Clone, Debug)]
@@ -214,13 +217,13 @@ impl Pool {
     /// Starts a new epoch (the bytes behind every key changed meaning: the model was updated): every evictable
     /// entry is dropped now, and the ghosts with them; an entry still in use keeps its slot until its last release,
     /// never becomes ready, and is dropped then. Returns the entries dropped now.
-    pub fn retire_all(&mut self) -> Vec<Key> {
+    pub fn retire_all(&mut self) -> Vec<Evicted> {
         self.epoch = self.epoch.wrapping_add(1);
         let mut dropped = Vec::new();
         while let Some(list) = self.victim_list() {
             let slot = self.lists[list].head;
             self.unlink(slot);
-            dropped.extend(self.drop_entry(slot));
+            dropped.extend(self.drop_entry(slot).map(|k| (slot, k)));
         }
         self.ghosts.iter_mut().for_each(Ghosts::clear);
         self.retired += dropped.len() as u64;
@@ -265,6 +268,11 @@ impl Pool {
     /// them or, when not enough slots are free or evictable, none (and nothing is evicted, nothing adapts). New
     /// entries are acquired (refs 1) and not ready. Returns the slots and the keys evicted.
     pub fn reserve(&mut self, keys: &[Key]) -> Option<(Vec<u32>, Vec<Key>)> {
+        self.reserve_evicting(keys).map(|(slots, evicted)| (slots, evicted.into_iter().map(|(_, k)| k).collect()))
+    }
+
+    /// `reserve`, with the slot each evicted entry had.
+    pub fn reserve_evicting(&mut self, keys: &[Key]) -> Option<(Vec<u32>, Vec<Evicted>)> {
         if keys.len() > self.available() {
             return None;
         }
@@ -278,7 +286,7 @@ impl Pool {
                 Some(s) => s,
                 None => {
                     let (s, old) = self.pop_victim().expect("available() counted an evictable entry");
-                    evicted.push(old);
+                    evicted.push((s, old));
                     s
                 }
             };

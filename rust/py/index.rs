@@ -4,7 +4,7 @@ use std::sync::MutexGuard;
 use numpy::PyArray1;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
 use crate::cache::SharedIndex;
@@ -158,14 +158,36 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     }
     let n = keys.len().unwrap_or(0);
     let mut out = PackedKeys { bytes: Vec::with_capacity(n * 40), ends: Vec::with_capacity(n) };
-    for (i, k) in keys.try_iter()?.enumerate() {
-        let k = k?;
+    let mut add = |i: usize, k: &Bound<'_, PyAny>| -> PyResult<()> {
+        // SAFETY: `k` is a live object; a bytes object (exactly, checked by its type) has a buffer of `len` bytes
+        // that lives as long as `k`, which outlives this read.
+        unsafe {
+            if pyo3::ffi::Py_TYPE(k.as_ptr()) == &raw mut pyo3::ffi::PyBytes_Type {
+                let (mut ptr, mut len) = (std::ptr::null_mut(), 0);
+                if pyo3::ffi::PyBytes_AsStringAndSize(k.as_ptr(), &mut ptr, &mut len) == 0 {
+                    out.bytes.extend_from_slice(std::slice::from_raw_parts(ptr.cast::<u8>(), len as usize));
+                    out.ends.push(out.bytes.len());
+                    return Ok(());
+                }
+            }
+        }
         let b = k.cast::<PyBytes>().map_err(|_| {
             let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
         })?;
         out.bytes.extend_from_slice(b.as_bytes());
         out.ends.push(out.bytes.len());
+        Ok(())
+    };
+    // A list (what engines pass) is read in place; any other iterable through the iterator protocol.
+    if let Ok(list) = keys.cast::<PyList>() {
+        for (i, k) in list.iter().enumerate() {
+            add(i, &k)?;
+        }
+    } else {
+        for (i, k) in keys.try_iter()?.enumerate() {
+            add(i, &k?)?;
+        }
     }
     Ok(out)
 }
@@ -675,7 +697,7 @@ impl PyIndex {
         let keys = engine_keys(keys)?;
         let n = keys.ends.len();
         let Some(p) = py.detach(|| self.lock().store_keys(&keys.views())).map_err(to_py)? else { return Ok(None) };
-        let evicted = p.evicted.iter().map(|k| PyBytes::new(py, k)).collect();
+        let evicted = p.evicted.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect();
         let indices = if p.indices.len() == n { None } else { Some(p.indices) };
         Ok(Some((p.ticket, indices, slots_array(py, &p.slots), evicted)))
     }

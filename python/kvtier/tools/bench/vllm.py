@@ -3,8 +3,9 @@
 Both managers run side by side in one process on the same keys (vLLM's OffloadKey: a sha256 block hash and a
 4-byte group), with as many host slots as keys. Timed, each the median of the repeats: a lookup of every stored key
 (vLLM's scheduler calls lookup once a key), a prepare_store of as many new keys (evicting all the stored ones), its
-complete_store, and the request's on_request_finished. kvtier's manager runs with each eviction policy under its
-default hash (keyed BLAKE3), and with LRU under ``hash_kind=xxh3``. Needs vLLM 0.33 (kvtier[vllm]).
+complete_store, the request's on_request_finished, and the store's two calls together (prepare+complete). kvtier's
+manager runs with each eviction policy under its default hash (keyed BLAKE3), and with LRU under ``hash_kind=xxh3``.
+Needs vLLM 0.33 (kvtier[vllm]).
 
 With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
@@ -23,7 +24,7 @@ from typing import Any
 
 # kvtier's manager with each eviction policy, keyed BLAKE3 (the default hash), and LRU with xxh3.
 MANAGERS = ("vllm-lru", "vllm-arc", "kvtier-lru", "kvtier-adaptive", "kvtier-lru-xxh3")
-STEPS = ("lookup", "prepare_store", "complete_store", "on_request_finished")
+STEPS = ("lookup", "prepare_store", "complete_store", "on_request_finished", "prepare+complete")
 
 
 def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
@@ -69,7 +70,7 @@ def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
             t3 = time.perf_counter()
             m.on_request_finished(ctx)
             t4 = time.perf_counter()
-            for step, dt in zip(STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for step, dt in zip(STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t3 - t1), strict=True):
                 times[step].append(dt * 1e3)
         out[name] = {step: statistics.median(v) for step, v in times.items()}
     return out
