@@ -542,4 +542,7 @@ def test_huge_pools_allocate_only_what_they_use():
     ix = kvtier.Index(kvtier.IndexConfig(2_000_000_000, state_slots=2_000_000_000, block_size=4, min_hit_tokens=0))
     ix.complete(ix.plan_store("a", list(range(16))).ticket)
     assert ix.stats()["pages_used"] == 4 and ix.stats()["states_used"] == 1
+    # Pages stored by engine key keep their keys' bytes a slot used, not a slot of the pool.
+    ix.complete(ix.store_keys([b"k1", b"k2"])[0])
+    assert ix.stats()["pages_used"] == 6 and ix.key_state(b"k2") == 2
     ix.check()

@@ -122,8 +122,9 @@ struct SlotName {
 /// a report of a key belongs to, and a key's page found by its bytes without hashing them to a pool key.
 #[derive(Debug)]
 pub(super) struct Names {
-    /// One a page slot, from the first engine key stored (none while only chains are stored). A slot keeps its
-    /// name after its page leaves, until it is named again: an eviction is reported in the engine's bytes.
+    /// One a page slot up to the highest slot an engine key was stored in (none while only chains are stored). A
+    /// slot keeps its name after its page leaves, until it is named again: an eviction is reported in the engine's
+    /// bytes.
     slots: Vec<SlotName>,
     /// The listed slots, by xxh3 of their bytes under a seed drawn once a process (the keys come from the engine,
     /// so their spread is not trusted). At most one a name and one a slot.
@@ -212,11 +213,14 @@ impl Names {
     }
 
     /// Names the page of pool key `k` in `slot`, which `store` copies.
-    fn insert(&mut self, capacity: u32, k: Key, slot: u32, name: &[u8], store: u64) {
-        if self.slots.is_empty() {
+    fn insert(&mut self, k: Key, slot: u32, name: &[u8], store: u64) {
+        if slot as usize >= self.slots.len() {
+            // Grown as slots are used (a pool hands out its lowest free slots first), not to the pool's capacity.
             let empty = SlotName { name: Name::EMPTY, hash: 0, key: 0, store: 0, listed: false };
-            self.slots = vec![empty; capacity as usize];
-            self.by_name.reserve(capacity as usize, |_| 0);
+            self.slots.resize((slot as usize + 1).max(2 * self.slots.len()), empty);
+            // Room for a name a slot, so that naming slots again (a removal and an insert) never rehashes.
+            let slots = &self.slots;
+            self.by_name.reserve(slots.len() - self.by_name.len(), |&s| slots[s as usize].hash);
         }
         let old = &self.slots[slot as usize];
         if old.listed {
@@ -427,7 +431,6 @@ impl Index {
             let names = evicted.iter().map(|n| n.as_bytes().to_vec()).collect();
             self.events.record(true, Medium::Cpu, victims.into_iter().map(|(_, k)| k).collect(), names);
         }
-        let capacity = self.pages.capacity();
         let ticket = self.issue(Ticket {
             kind: TicketKind::KeyStore { remaining: missing.len(), failed: false },
             pages: held.iter().map(|&s| (s, false)).chain(slots.iter().map(|&s| (s, true))).collect(),
@@ -435,7 +438,7 @@ impl Index {
             epoch: 0,
         });
         for ((&i, &k), &s) in indices.iter().zip(&missing).zip(&slots) {
-            self.names.insert(capacity, k, s, keys[i as usize].as_ref(), ticket);
+            self.names.insert(k, s, keys[i as usize].as_ref(), ticket);
         }
         Ok(Some(KeyStorePlan { ticket, indices, slots, evicted }))
     }
