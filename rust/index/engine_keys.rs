@@ -213,11 +213,13 @@ impl Names {
     }
 
     /// Names the page of pool key `k` in `slot`, which `store` copies.
-    fn insert(&mut self, k: Key, slot: u32, name: &[u8], store: u64) {
+    fn insert(&mut self, capacity: u32, k: Key, slot: u32, name: &[u8], store: u64) {
         if slot as usize >= self.slots.len() {
-            // Grown as slots are used (a pool hands out its lowest free slots first), not to the pool's capacity.
+            // Grown as slots are used (a pool hands out its lowest free slots first), to at most the pool's
+            // capacity (a pool of 65536 slots or fewer at once).
+            let len = (2 * self.slots.len()).max(1 << 16).min(capacity as usize).max(slot as usize + 1);
             let empty = SlotName { name: Name::EMPTY, hash: 0, key: 0, store: 0, listed: false };
-            self.slots.resize((slot as usize + 1).max(2 * self.slots.len()), empty);
+            self.slots.resize(len, empty);
             // Room for a name a slot, so that naming slots again (a removal and an insert) never rehashes.
             let slots = &self.slots;
             self.by_name.reserve(slots.len() - self.by_name.len(), |&s| slots[s as usize].hash);
@@ -437,8 +439,9 @@ impl Index {
             states: Vec::new(),
             epoch: 0,
         });
+        let capacity = self.pages.capacity();
         for ((&i, &k), &s) in indices.iter().zip(&missing).zip(&slots) {
-            self.names.insert(k, s, keys[i as usize].as_ref(), ticket);
+            self.names.insert(capacity, k, s, keys[i as usize].as_ref(), ticket);
         }
         Ok(Some(KeyStorePlan { ticket, indices, slots, evicted }))
     }
