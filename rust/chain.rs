@@ -49,41 +49,6 @@ impl HashKind {
     }
 }
 
-/// Pool keys of engine keys under one model version (`BlockHasher::engine_keys`): keyed BLAKE3, or xxh3-128
-/// with a secret of its own under the xxh3 hash kind.
-#[derive(Clone, Debug)]
-pub enum EngineKeys {
-    Blake3([u8; 32]),
-    Xxh3(Box<[u8; 192]>),
-}
-
-impl EngineKeys {
-    /// The pool key of one engine key (one BLAKE3 compression for a key of up to 64 bytes).
-    pub fn key(&self, key: &[u8]) -> Key {
-        match self {
-            Self::Blake3(k) => {
-                u128::from_le_bytes(blake3::keyed_hash(k, key).as_bytes()[..16].try_into().expect("16 bytes"))
-            }
-            Self::Xxh3(secret) => xxhash_rust::xxh3::xxh3_128_with_secret(key, &secret[..]),
-        }
-    }
-
-    /// The pool keys of many engine keys of 1 to 64 bytes each, equal to `key` of each: under BLAKE3, sixteen
-    /// at a time in AVX-512 lanes where the CPU has them.
-    pub fn keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<Key> {
-        let mut out = Vec::with_capacity(keys.len());
-        if let Self::Blake3(k) = self {
-            if lanes::wide_available() {
-                debug_assert!(keys.iter().all(|k| (1..=lanes::SHORT_BYTES).contains(&k.as_ref().len())));
-                // SAFETY: `wide_available` checked the CPU has AVX-512F.
-                unsafe { lanes::keyed_short_wide(&lanes::words(k), keys, &mut out) };
-            }
-        }
-        out.extend(keys[out.len()..].iter().map(|k| self.key(k.as_ref())));
-        out
-    }
-}
-
 /// Hashes blocks with one kind and one deployment key.
 #[derive(Clone, Debug)]
 pub struct BlockHasher {
@@ -151,22 +116,6 @@ impl BlockHasher {
                 u128::from_le_bytes(d.as_bytes()[..16].try_into().expect("16 bytes"))
             }
             HashKind::Xxh3 => xxhash_rust::xxh3::xxh3_128_with_seed(input, self.seed(2)),
-        }
-    }
-
-    /// What maps the keys the engine made (its block hashes) to pool keys under a model version, in a domain of
-    /// their own: the hash kind's keyed hash under a key (xxh3: a secret) derived from the deployment key and the
-    /// version, length-prefixed.
-    pub fn engine_keys(&self, version: &[u8]) -> EngineKeys {
-        let mut h = blake3::Hasher::new_keyed(&self.namespace_key);
-        h.update(b"engine key").update(&(version.len() as u64).to_le_bytes()).update(version);
-        match self.kind {
-            HashKind::Blake3 => EngineKeys::Blake3(*h.finalize().as_bytes()),
-            HashKind::Xxh3 => {
-                let mut secret = Box::new([0u8; 192]);
-                h.update(b"xxh3").finalize_xof().fill(&mut secret[..]);
-                EngineKeys::Xxh3(secret)
-            }
         }
     }
 
@@ -654,47 +603,6 @@ mod lanes {
         groups * WIDE
     }
 
-    /// The longest input `keyed_short_wide` takes: one block.
-    pub const SHORT_BYTES: usize = 64;
-
-    /// Appends `keyed_hash(key, input)` truncated to a key for each of `WIDE` inputs of 1 to `SHORT_BYTES` bytes:
-    /// one compression in each AVX-512 lane.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512F.
-    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
-    unsafe fn keyed_short_lanes<K: AsRef<[u8]>>(key: &[u32; 8], inputs: &[K], out: &mut Vec<Key>) {
-        let mut m = [[0u32; WIDE]; 16];
-        let mut lens = [0u32; WIDE];
-        for (l, input) in inputs.iter().take(WIDE).enumerate() {
-            let input = input.as_ref();
-            let mut block = [0u8; SHORT_BYTES];
-            block[..input.len()].copy_from_slice(input);
-            for (w, word) in block.chunks_exact(4).enumerate() {
-                m[w][l] = u32::from_le_bytes(word.try_into().expect("4 bytes"));
-            }
-            lens[l] = input.len() as u32;
-        }
-        let mut cv: [V<WIDE>; 8] = std::array::from_fn(|i| [key[i]; WIDE]);
-        compress(&mut cv, &m, lens, ONE_BLOCK);
-        out.extend((0..WIDE).map(|l| lane_key(&cv, l)));
-    }
-
-    /// Appends the keyed hashes of as many whole groups of `WIDE` inputs (each 1 to `SHORT_BYTES` bytes) as
-    /// there are; returns the number of inputs done.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512F.
-    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
-    pub unsafe fn keyed_short_wide<K: AsRef<[u8]>>(key: &[u32; 8], inputs: &[K], out: &mut Vec<Key>) -> usize {
-        let groups = inputs.len() / WIDE;
-        out.reserve(groups * WIDE);
-        for group in inputs.chunks_exact(WIDE) {
-            keyed_short_lanes(key, group, out);
-        }
-        groups * WIDE
-    }
-
     #[cfg(test)]
     pub fn digest_one(key: &[u32; 8], block: &[i32]) -> [u32; 8] {
         let d = digest_lanes::<1>(key, block, block.len());
@@ -741,24 +649,6 @@ mod tests {
                 assert_eq!(lanes::bytes(&one), *blake3::keyed_hash(kb.as_bytes(), token_bytes(&t[..bs])).as_bytes());
             }
         }
-    }
-
-    /// Engine keys hashed many at once (in lanes where the CPU has AVX-512) equal keyed BLAKE3 of each, at every
-    /// length an engine key may have.
-    #[test]
-    fn engine_keys_in_lanes_equal_one_at_a_time() {
-        let ek = BlockHasher::new(HashKind::Blake3, b"secret").engine_keys(b"v1");
-        let EngineKeys::Blake3(k) = &ek else { panic!("a BLAKE3 hasher") };
-        let keys: Vec<Vec<u8>> =
-            (0..150u32).map(|i| (0..(i as usize % 64) + 1).map(|j| (i * 31 + j as u32) as u8).collect()).collect();
-        let want: Vec<Key> = keys
-            .iter()
-            .map(|x| u128::from_le_bytes(blake3::keyed_hash(k, x).as_bytes()[..16].try_into().unwrap()))
-            .collect();
-        assert_eq!(ek.keys(&keys), want);
-        assert_eq!(keys.iter().map(|x| ek.key(x)).collect::<Vec<_>>(), want);
-        let xx = BlockHasher::new(HashKind::Xxh3, b"secret").engine_keys(b"v1");
-        assert_eq!(xx.keys(&keys), keys.iter().map(|x| xx.key(x)).collect::<Vec<_>>());
     }
 
     #[test]

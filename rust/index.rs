@@ -179,9 +179,8 @@ pub struct Index {
     model_version: Vec<u8>,
     epoch: u64,
     events: EventLog,
-    /// The engine's bytes of engine-keyed pages, and their hashing under the model version.
+    /// The engine's bytes of engine-keyed pages, by slot and found by their bytes.
     names: engine_keys::Names,
-    engine_keys: crate::chain::EngineKeys,
 }
 
 impl Index {
@@ -190,7 +189,6 @@ impl Index {
         cfg.validate()?;
         let hasher = BlockHasher::new(cfg.hash_kind, &cfg.hash_key);
         Ok(Self {
-            engine_keys: hasher.engine_keys(b""),
             hasher,
             pages: Pool::with_policy(cfg.page_slots, usable_pages, cfg.eviction_policy),
             states: Pool::with_policy(cfg.state_slots, usable_states, cfg.eviction_policy),
@@ -216,7 +214,6 @@ impl Index {
             return false;
         }
         self.model_version = version.to_vec();
-        self.engine_keys = self.hasher.engine_keys(version);
         self.names.new_version();
         self.epoch += 1;
         let dropped = self.pages.retire_all();

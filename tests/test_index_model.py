@@ -75,7 +75,6 @@ class IndexMachine(RuleBasedStateMachine):
         self.model = PyIndex(
             config,
             chain_fn=lambda rid, ns, toks: self.rust.chain(rid, np.asarray(toks, np.int32)),
-            key_fn=self.rust.engine_key,
         )
         self.n_pages, self.n_states = page_slots, state_slots
         self.pending: list[int] = []

@@ -19,12 +19,18 @@ if TYPE_CHECKING:
     from kvtier import IndexConfig
 
 ChainFn = Callable[[str, bytes, Sequence[int]], list[int]]
-KeyFn = Callable[[bytes], int]
+
+# The pool keys of pages stored by engine key: this tag and a count mixed by SplitMix64's finalizer.
+ENGINE_KEYS = 0xE6 << 120
+_U64 = (1 << 64) - 1
 
 
-def blake2b_key(key: bytes) -> int:
-    """The pool key of an engine key (its block hash): BLAKE2b-128 in a domain of its own."""
-    return int.from_bytes(hashlib.blake2b(b"engine key" + key, digest_size=16).digest(), "little")
+def engine_pool_key(count: int) -> int:
+    """The pool key of the count-th page stored by engine key (from 1)."""
+    z = count
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return ENGINE_KEYS | (z ^ (z >> 31))
 
 
 def blake2b_chain(block_size: int) -> ChainFn:
@@ -184,7 +190,7 @@ class Ticket:
 class PyIndex:
     """The same rules as ``kvtier.Index``; plans are returned as plain tuples and lists."""
 
-    def __init__(self, config: IndexConfig, *, chain_fn: ChainFn | None = None, key_fn: KeyFn | None = None) -> None:
+    def __init__(self, config: IndexConfig, *, chain_fn: ChainFn | None = None) -> None:
         self.block_size = block_size = config.block_size
         self.keep_tokens = config.keep_tokens
         self.min_hit_tokens = config.min_hit_tokens
@@ -198,8 +204,9 @@ class PyIndex:
         self.events_dropped = 0
         self.has_states = config.state_slots > 0
         self.chain_fn = chain_fn or blake2b_chain(block_size)
-        self.key_fn = key_fn or blake2b_key
         self.names: dict[int, bytes] = {}  # the engine's bytes of engine-keyed pages
+        self.engine_keys: dict[bytes, int] = {}  # an engine key -> the pool key of the page last stored by it
+        self.engine_keys_given = 0
         self.chains: dict[str, list[int]] = {}
         self.counted: set[str] = set()
         self.tickets: dict[int, Ticket] = {}
@@ -352,32 +359,39 @@ class PyIndex:
         self.events.append((self.next_seq, removed, [self._name(k) for k in keys]))
         self.next_seq += 1
 
+    def _pool_key(self, key: bytes) -> int | None:
+        """The pool key of the page stored by an engine key, while that page is on the host."""
+        k = self.engine_keys.get(bytes(key))
+        return k if k in self.pages.entries else None
+
     def lookup_keys(self, keys: Sequence[bytes]) -> tuple[int, bool]:
         """(hits, pending): the leading engine keys ready on the host, and whether the next is being stored."""
-        pool_keys = [self.key_fn(k) for k in keys]
+        entries = [self.pages.entries.get(k) if (k := self._pool_key(key)) is not None else None for key in keys]
         hits = 0
-        while hits < len(pool_keys) and self.pages.ready_slot(pool_keys[hits]) is not None:
+        while hits < len(entries) and (e := entries[hits]) is not None and e.ready:
             hits += 1
         self.stats["lookups"] += 1
         self.stats["lookup_tokens"] += len(keys) * self.block_size
-        return hits, hits < len(pool_keys) and pool_keys[hits] in self.pages.entries
+        return hits, hits < len(entries) and entries[hits] is not None
 
     def load_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         """(ticket, page_slots); raises ValueError unless every key is ready (and none repeats)."""
-        pool_keys = [self.key_fn(k) for k in keys]
-        slots = [self.pages.ready_slot(k) for k in pool_keys]
-        if not keys or None in slots or len(set(pool_keys)) < len(pool_keys):
+        found = [self._pool_key(k) for k in keys]
+        pool_keys = [k for k in found if k is not None and self.pages.entries[k].ready]
+        if not keys or len(pool_keys) < len(keys) or len(set(pool_keys)) < len(pool_keys):
             raise ValueError("load_keys needs distinct keys, every one ready")
         for k in pool_keys:
             self.pages.acquire(k)
         hit_tokens = len(keys) * self.block_size
         self.stats["hits"] += 1
         self.stats["hit_tokens"] += hit_tokens
-        return self._issue(Ticket(hit_tokens, [(k, False) for k in pool_keys])), slots  # type: ignore[return-value]
+        slots = [self.pages.entries[k].slot for k in pool_keys]
+        return self._issue(Ticket(hit_tokens, [(k, False) for k in pool_keys])), slots
 
     def key_state(self, key: bytes) -> int:
         """0: no page of the engine key on the host, 1: being stored, 2: ready (not counted as a lookup)."""
-        e = self.pages.entries.get(self.key_fn(key))
+        k = self._pool_key(key)
+        e = None if k is None else self.pages.entries[k]
         return 0 if e is None else 2 if e.ready else 1
 
     def complete_keys(self, keys: Iterable[bytes], ok: bool) -> tuple[int, list[tuple[int, bool]]]:
@@ -414,14 +428,13 @@ class PyIndex:
     def store_keys(self, keys: Sequence[bytes]) -> tuple[int, list[int] | None, list[int], list[bytes]] | None:
         """(ticket, indices, slots, evicted engine keys), or None when the pool cannot take every new key; the
         indices are None when every key is copied, in order."""
-        pool_keys = [self.key_fn(k) for k in keys]
         held: dict[int, None] = {}  # ready keys, in order
-        new: dict[int, int] = {}  # absent key -> its first index
-        for i, k in enumerate(pool_keys):
-            e = self.pages.entries.get(k)
-            if e is None:
-                new.setdefault(k, i)
-            elif e.ready:
+        new: dict[bytes, int] = {}  # engine key with no page on the host -> its first index
+        for i, name in enumerate(keys):
+            k = self._pool_key(name)
+            if k is None:
+                new.setdefault(bytes(name), i)
+            elif self.pages.entries[k].ready:
                 held[k] = None
         missing = list(new.values())
         idle = sum(1 for k in held if self.pages.entries[k].refs == 0)
@@ -429,12 +442,16 @@ class PyIndex:
             return None
         for k in held:
             self.pages.acquire(k)
-        slots, evicted = self.pages.reserve([pool_keys[i] for i in missing]) or ([], [])
+        # Each page stored gets a pool key never given before.
+        new_keys = [engine_pool_key(self.engine_keys_given + n + 1) for n in range(len(missing))]
+        self.engine_keys_given += len(missing)
+        slots, evicted = self.pages.reserve(new_keys) or ([], [])
         evicted_names = [self._name(k) for k in evicted]
         self._record(True, evicted)
-        for i in missing:
-            self.names[pool_keys[i]] = bytes(keys[i])
-        t = Ticket(None, [(k, False) for k in held] + [(pool_keys[i], True) for i in missing])
+        for i, k in zip(missing, new_keys, strict=True):
+            self.names[k] = bytes(keys[i])
+            self.engine_keys[bytes(keys[i])] = k
+        t = Ticket(None, [(k, False) for k in held] + [(k, True) for k in new_keys])
         tid = self._issue(t)
         for i in missing:
             self.owed.setdefault(bytes(keys[i]), []).append(tid)

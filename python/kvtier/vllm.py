@@ -22,8 +22,8 @@ connector passes between them, the chunk ids in the load/store specs. So:
   complete at once.
 
 The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings: ``host_bytes``,
-``eviction_policy``, ``event_buffer``, ``hash_kind``, ``hash_key``, ``copy_method``, ``copy_crossover_bytes``,
-``copy_streams``. Any bad value raises ``ValueError`` naming it when vLLM builds the spec.
+``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``, ``copy_streams``. Any bad value
+raises ``ValueError`` naming it when vLLM builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM`` (0.33 and 0.34; 0.34 hands the worker device pointers instead of block ids,
 which the worker maps back to blocks of its KV tensors). Importing this module under any other vLLM raises
@@ -107,8 +107,6 @@ SETTING_KEYS = (
     "host_bytes",
     "eviction_policy",
     "event_buffer",
-    "hash_kind",
-    "hash_key",
     "copy_method",
     "copy_crossover_bytes",
     "copy_streams",
@@ -171,8 +169,6 @@ class KvtierManager(OffloadingManager):
         eviction_policy: str = "lru",
         enable_events: bool = False,
         event_buffer: int = 0,
-        hash_kind: str = "blake3",
-        hash_key: str | bytes | None = None,
         tokens_per_slot: int = 16,
         info: CPUOffloadingInfo | None = None,
     ) -> None:
@@ -189,8 +185,6 @@ class KvtierManager(OffloadingManager):
             block_size=tokens_per_slot,
             eviction_policy=eviction_policy,
             event_buffer=event_buffer if self.enable_events else 0,
-            hash_kind=hash_kind,
-            hash_key=hash_key,
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         # Slots each prepare_store asked for since the last get_stats (vLLM's allocation-size histogram).
@@ -523,8 +517,6 @@ class KvtierSpec(OffloadingSpec):
                 eviction_policy=s.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 event_buffer=s.event_buffer,
-                hash_kind=s.hash_kind,
-                hash_key=s.hash_key,
                 tokens_per_slot=max(self.tokens_per_block) * self.blocks_per_chunk if self.tokens_per_block else 16,
                 info=self.info,
             )

@@ -1,8 +1,8 @@
 //! Pages keyed by the engine: byte strings the engine made (vLLM's block hashes with their group, SGLang's page
-//! hashes), for a half of the engine that never sees tokens. Each maps to a pool key by a keyed hash under the
-//! model version, so they share the pools, references, ready flags, reservations, policy, statistics and events
-//! of token chains and never meet a chain's key. The engine's bytes are kept by page slot, so what is evicted is
-//! reported in them, and a stored key is found by its bytes without hashing it to its pool key.
+//! hashes), for a half of the engine that never sees tokens. Each page stored gets a pool key of its own, so they
+//! share the pools, references, ready flags, reservations, policy, statistics and events of token chains and never
+//! meet a chain's key. The engine's bytes are kept by page slot, so what is evicted is reported in them, and a key
+//! is found by its bytes (compared in full) under the current model version.
 use super::{Index, Ticket, TicketKind};
 use crate::chain::Key;
 use crate::error::{invalid, Result};
@@ -11,6 +11,10 @@ use crate::index::SlotPlan;
 
 /// The longest engine key taken.
 pub const MAX_ENGINE_KEY_BYTES: usize = 64;
+
+/// The pool keys of pages stored by engine key: this tag and a mixed count (a chain key, a keyed hash, is one of
+/// these with a chance of 2^-64 or less).
+const ENGINE_KEYS: Key = 0xe6 << 120;
 
 /// An error unless `key` is 1 to `MAX_ENGINE_KEY_BYTES` bytes.
 fn check_length(key: &[u8]) -> Result<()> {
@@ -130,6 +134,8 @@ pub(super) struct Names {
     /// so their spread is not trusted). At most one a name and one a slot.
     by_name: hashbrown::HashTable<u32>,
     seed: u64,
+    /// Pool keys given to pages stored by engine key (`new_key`).
+    stored: u64,
     /// Keys also being copied by a store of an earlier model version (the same bytes name another page now),
     /// oldest first: a report of such a key goes to the oldest store owed it.
     older: Vec<(Name, u64)>,
@@ -142,6 +148,7 @@ impl Default for Names {
             slots: Vec::new(),
             by_name: Default::default(),
             seed: std::collections::hash_map::RandomState::new().hash_one(0u64),
+            stored: 0,
             older: Vec::new(),
         }
     }
@@ -152,10 +159,21 @@ impl Names {
         xxhash_rust::xxh3::xxh3_64_with_seed(name, self.seed)
     }
 
-    /// The listed slot named `name`.
-    fn find(&self, name: &[u8]) -> Option<u32> {
+    /// The listed slot named `name` (whose `hash` is given).
+    fn find(&self, hash: u64, name: &[u8]) -> Option<u32> {
         let slots = &self.slots;
-        self.by_name.find(self.hash(name), |&s| slots[s as usize].name.as_bytes() == name).copied()
+        self.by_name.find(hash, |&s| slots[s as usize].name.as_bytes() == name).copied()
+    }
+
+    /// A pool key for a page stored by engine key: one never given before, its low 64 bits spread as a hash's
+    /// are (the pool's maps hash keys by them).
+    fn new_key(&mut self) -> Key {
+        self.stored += 1;
+        // SplitMix64's finalizer: a bijection, so distinct counts give distinct keys.
+        let mut z = self.stored;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ENGINE_KEYS | Key::from(z ^ (z >> 31))
     }
 
     /// Whether no engine key was ever stored.
@@ -200,20 +218,20 @@ impl Names {
         if let Some(i) = self.older.iter().position(|(name, _)| name.as_bytes() == key) {
             return Some(self.older.remove(i).1);
         }
-        let s = self.find(key)?;
+        let s = self.find(self.hash(key), key)?;
         let store = &mut self.slots[s as usize].store;
         (*store != 0).then(|| std::mem::take(store))
     }
 
     /// The slot holding the page of `key` by its bytes, as the pool has it now: None when no page of it was
     /// stored under this model version, or its page left the pool since.
-    fn slot_of(&self, pool: &crate::pool::Pool, key: &[u8]) -> Option<u32> {
-        let s = self.find(key)?;
+    fn slot_of(&self, pool: &crate::pool::Pool, hash: u64, key: &[u8]) -> Option<u32> {
+        let s = self.find(hash, key)?;
         pool.entry(s).is_some_and(|e| e.key == self.slots[s as usize].key).then_some(s)
     }
 
     /// Names the page of pool key `k` in `slot`, which `store` copies.
-    fn insert(&mut self, capacity: u32, k: Key, slot: u32, name: &[u8], store: u64) {
+    fn insert(&mut self, capacity: u32, k: Key, slot: u32, name: &[u8], hash: u64, store: u64) {
         if slot as usize >= self.slots.len() {
             // Grown as slots are used (a pool hands out its lowest free slots first), to at most the pool's
             // capacity (a pool of 65536 slots or fewer at once).
@@ -230,10 +248,9 @@ impl Names {
                 e.remove();
             }
         }
-        let hash = self.hash(name);
         let slots = &mut self.slots;
         match self.by_name.entry(hash, |&s| slots[s as usize].name.as_bytes() == name, |&s| slots[s as usize].hash) {
-            // The page it named before has left the pool (else `k` would be present and not stored again).
+            // The page it named before has left the pool (else it would be present and not stored again).
             hashbrown::hash_table::Entry::Occupied(mut e) => {
                 let before = std::mem::replace(e.get_mut(), slot);
                 debug_assert_eq!(slots[before as usize].store, 0, "a page being stored left the pool");
@@ -248,21 +265,15 @@ impl Names {
 }
 
 impl Index {
-    /// The pool key of an engine key (1 to 64 bytes) under the current model version.
-    pub fn engine_key(&self, key: &[u8]) -> Result<Key> {
-        check_length(key)?;
-        Ok(self.engine_keys.key(key))
+    /// The slot of the page stored by `key` under this model version, if it is still on the host.
+    fn key_slot(&self, key: &[u8]) -> Option<u32> {
+        self.names.slot_of(&self.pages, self.names.hash(key), key)
     }
 
     /// Where one engine key stands on the host (not counted as a lookup).
     pub fn key_state(&self, key: &[u8]) -> Result<KeyState> {
         check_length(key)?;
-        // A page stored by this name under this model version is found by the name; others by the pool key.
-        let slot = match self.names.slot_of(&self.pages, key) {
-            Some(s) => Some(s),
-            None => self.pages.slot_of(self.engine_keys.key(key)),
-        };
-        Ok(match slot.and_then(|s| self.pages.entry(s)) {
+        Ok(match self.key_slot(key).and_then(|s| self.pages.entry(s)) {
             None => KeyState::Absent,
             Some(e) if e.ready => KeyState::Ready,
             Some(_) => KeyState::Pending,
@@ -307,14 +318,14 @@ impl Index {
     }
 
     /// Each key store in flight is owed as many reports as it has keys being copied, and each such key's page is
-    /// reserved, not ready.
+    /// reserved, not ready; the names found by their bytes are the listed slots.
     pub(super) fn check_key_stores(&self) -> Result<()> {
         let invariant = |m: String| Err(crate::error::Error::Invariant(m));
-        let mut owed: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
         let names = &self.names;
         if names.by_name.len() != names.slots.iter().filter(|n| n.listed).count()
             || names.by_name.iter().any(|&s| {
-                !names.slots[s as usize].listed || names.find(names.slots[s as usize].name.as_bytes()) != Some(s)
+                let n = &names.slots[s as usize];
+                !n.listed || n.hash != names.hash(n.name.as_bytes()) || names.find(n.hash, n.name.as_bytes()) != Some(s)
             })
         {
             return invariant("the names found by their bytes are not the listed slots".into());
@@ -322,15 +333,15 @@ impl Index {
         if let Some(n) = names.slots.iter().find(|n| n.store != 0 && !n.listed) {
             return invariant(format!("key {:?} is owed to store {} but not listed", n.name, n.store));
         }
+        let mut owed: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
         let current = names.slots.iter().filter(|n| n.store != 0).map(|n| (&n.name, n.store));
-        for (name, id) in current.chain(self.names.older.iter().map(|(name, id)| (name, *id))) {
+        for (name, id) in current.chain(names.older.iter().map(|(name, id)| (name, *id))) {
             *owed.entry(id).or_default() += 1;
-            // A key named under an earlier model version maps to another pool key now.
-            if self.tickets.get(&id).is_some_and(|t| t.epoch == self.epoch) {
-                let k = self.engine_key(name.as_bytes())?;
-                if self.pages.slot_of(k).and_then(|s| self.pages.entry(s)).is_none_or(|e| e.ready) {
-                    return invariant(format!("key {name:?} of store {id} is not being stored"));
-                }
+            // A key named under an earlier model version names no page now.
+            if self.tickets.get(&id).is_some_and(|t| t.epoch == self.epoch)
+                && self.key_slot(name.as_bytes()).and_then(|s| self.pages.entry(s)).is_none_or(|e| e.ready)
+            {
+                return invariant(format!("key {name:?} of store {id} is not being stored"));
             }
         }
         for (&id, t) in &self.tickets {
@@ -346,17 +357,13 @@ impl Index {
         }
     }
 
-    fn engine_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Key>> {
-        check_lengths(keys)?;
-        Ok(self.engine_keys.keys(keys))
-    }
-
     /// How many of `keys` (a prompt's pages in order) are ready on the host from the first, and whether the next
     /// one is being stored. Counted as a lookup of `keys.len()` blocks; nothing is held.
     pub fn lookup_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<KeyLookup> {
-        let keys = self.engine_keys(keys)?;
-        let hits = keys.iter().take_while(|&&k| self.pages.ready_slot(k).is_some()).count();
-        let pending = keys.get(hits).is_some_and(|&k| self.pages.slot_of(k).is_some());
+        check_lengths(keys)?;
+        let entry = |k: &K| self.key_slot(k.as_ref()).and_then(|s| self.pages.entry(s));
+        let hits = keys.iter().take_while(|k| entry(k).is_some_and(|e| e.ready)).count();
+        let pending = keys.get(hits).is_some_and(|k| entry(k).is_some());
         self.stats.lookups += 1;
         self.stats.lookup_tokens += (keys.len() * self.cfg.block_size) as u64;
         Ok(KeyLookup { hits, pending })
@@ -365,19 +372,21 @@ impl Index {
     /// Acquires the pages of `keys` for a host -> GPU copy (all of them ready, else an error naming the first that
     /// is not, and nothing is held) until the ticket completes. Counted as a hit of `keys.len()` pages.
     pub fn load_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<SlotPlan> {
-        let pool_keys = self.engine_keys(keys)?;
-        if pool_keys.is_empty() {
+        check_lengths(keys)?;
+        if keys.is_empty() {
             return Err(invalid("load_keys needs at least one key"));
         }
-        let slots = pool_keys
+        let slots = keys
             .iter()
             .enumerate()
-            .map(|(i, &k)| {
-                self.pages.ready_slot(k).ok_or_else(|| invalid(format!("keys[{i}] is not ready on the host")))
+            .map(|(i, k)| {
+                self.key_slot(k.as_ref())
+                    .filter(|&s| self.pages.entry(s).is_some_and(|e| e.ready))
+                    .ok_or_else(|| invalid(format!("keys[{i}] is not ready on the host")))
             })
             .collect::<Result<Vec<u32>>>()?;
-        let mut seen = crate::pool::KeyMap::default();
-        if let Some(i) = pool_keys.iter().position(|&k| seen.insert(k, ()).is_some()) {
+        let mut seen = std::collections::HashSet::with_capacity(slots.len());
+        if let Some(i) = slots.iter().position(|&s| !seen.insert(s)) {
             return Err(invalid(format!("keys[{i}] repeats an earlier key")));
         }
         for &s in &slots {
@@ -398,34 +407,42 @@ impl Index {
     /// Plans a GPU -> host store of the pages of `keys`: those already on the host are skipped (a ready one is
     /// held until the ticket completes, a use to the policy), the others get slots in order, evicting as the
     /// policy says: all of them, or None when the pool cannot make room (nothing is evicted, nothing held). A key
-    /// given twice is stored once.
+    /// given twice is stored once. Each page stored gets a pool key of its own, never given before.
     pub fn store_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Option<KeyStorePlan>> {
-        let pool_keys = self.engine_keys(keys)?;
-        let mut seen = crate::pool::KeyMap::with_capacity_and_hasher(pool_keys.len(), Default::default());
-        let mut indices = Vec::with_capacity(pool_keys.len());
-        let mut missing = Vec::with_capacity(pool_keys.len());
+        check_lengths(keys)?;
+        let hashes: Vec<u64> = keys.iter().map(|k| self.names.hash(k.as_ref())).collect();
+        // The keys not on the host, each once: positions into `keys`, found by their bytes.
+        let mut new: hashbrown::HashTable<u32> = hashbrown::HashTable::with_capacity(keys.len());
+        let mut indices = Vec::with_capacity(keys.len());
         // Ready pages of the call are held, so making room never evicts them: they are no room.
         let mut held = Vec::new();
-        for (i, &k) in pool_keys.iter().enumerate() {
-            let slot = self.pages.slot_of(k);
-            if slot.is_some_and(|s| self.pages.entry(s).is_some_and(|e| !e.ready)) || seen.insert(k, ()).is_some() {
-                continue;
-            }
-            match slot {
-                None => {
-                    indices.push(i as u32);
-                    missing.push(k);
+        let mut held_set = std::collections::HashSet::new();
+        for (i, k) in keys.iter().enumerate() {
+            let (k, h) = (k.as_ref(), hashes[i]);
+            match self.names.slot_of(&self.pages, h, k) {
+                Some(s) => {
+                    if self.pages.entry(s).is_some_and(|e| e.ready) && held_set.insert(s) {
+                        held.push(s);
+                    }
                 }
-                Some(s) => held.push(s),
+                None => {
+                    if let hashbrown::hash_table::Entry::Vacant(e) =
+                        new.entry(h, |&j| keys[j as usize].as_ref() == k, |&j| hashes[j as usize])
+                    {
+                        e.insert(i as u32);
+                        indices.push(i as u32);
+                    }
+                }
             }
         }
         let idle = held.iter().filter(|&&s| self.pages.entry(s).is_some_and(|e| e.refs == 0)).count();
-        if missing.len() > self.pages.available() - idle {
+        if indices.len() > self.pages.available() - idle {
             return Ok(None);
         }
         for &s in &held {
             self.pages.acquire(s)?;
         }
+        let missing: Vec<Key> = indices.iter().map(|_| self.names.new_key()).collect();
         let (slots, victims) = self.pages.reserve_evicting(&missing).expect("checked available()");
         // The names of the keys evicted here, before their slots are named again.
         let evicted: Vec<Name> = victims.iter().map(|&(s, k)| self.names.name(s, k)).collect();
@@ -441,7 +458,8 @@ impl Index {
         });
         let capacity = self.pages.capacity();
         for ((&i, &k), &s) in indices.iter().zip(&missing).zip(&slots) {
-            self.names.insert(capacity, k, s, keys[i as usize].as_ref(), ticket);
+            let i = i as usize;
+            self.names.insert(capacity, k, s, keys[i].as_ref(), hashes[i], ticket);
         }
         Ok(Some(KeyStorePlan { ticket, indices, slots, evicted }))
     }
@@ -594,17 +612,24 @@ mod tests {
     }
 
     #[test]
-    fn engine_keys_under_xxh3_hit_and_miss_by_model_version_as_under_blake3() {
-        let cfg = Config { hash_kind: crate::chain::HashKind::Xxh3, ..Config::new(4, 0, 4) };
-        let mut ix = Index::new(cfg, 4, 0).unwrap();
-        let p = ix.store_keys(&[k(1), k(2)]).unwrap().unwrap();
-        ix.complete(p.ticket).unwrap();
-        assert_eq!(ix.lookup_keys(&[k(1), k(2), k(3)]).unwrap().hits, 2);
-        assert_ne!(ix.engine_key(&k(1)).unwrap(), index(4).engine_key(&k(1)).unwrap(), "each kind its own keys");
-        let before = ix.engine_key(&k(1)).unwrap();
+    fn a_store_in_flight_across_a_model_version_is_owed_its_reports_and_the_key_is_stored_again() {
+        let mut ix = index(4);
+        let old = ix.store_keys(&[k(1)]).unwrap().unwrap();
         assert!(ix.set_model_version(b"v2"));
-        assert_ne!(ix.engine_key(&k(1)).unwrap(), before);
-        assert_eq!(ix.lookup_keys(&[k(1)]).unwrap().hits, 0);
+        assert_eq!(ix.key_state(&k(1)).unwrap(), KeyState::Absent, "the old version's page is no hit");
+        let new = ix.store_keys(&[k(1)]).unwrap().unwrap();
+        assert_eq!(new.indices, vec![0]);
+        let key = |s: u32| ix.pages().entry(s).unwrap().key;
+        assert_ne!(key(new.slots[0]), key(old.slots[0]), "a page stored by engine key has a pool key of its own");
+        // A report goes to the oldest store owed the key.
+        assert_eq!(ix.complete_keys(&[k(1)], true).unwrap().due, vec![(old.ticket, false)]);
+        assert_eq!(ix.complete_keys(&[k(1)], true).unwrap().due, vec![(new.ticket, false)]);
+        ix.check().unwrap();
+        ix.complete(old.ticket).unwrap();
+        ix.complete(new.ticket).unwrap();
+        assert_eq!(ix.key_state(&k(1)).unwrap(), KeyState::Ready);
+        assert_eq!(ix.pages().used(), 1, "the old version's page was dropped");
+        ix.check().unwrap();
     }
 
     #[test]

@@ -665,11 +665,6 @@ impl PyIndex {
         Ok(p.map(|p| (p.ticket, p.page_slots, p.state_slots)))
     }
 
-    /// The pool key an engine key (bytes of 1 to 64) maps to under the current model version.
-    fn engine_key(&self, key: &[u8]) -> PyResult<u128> {
-        self.lock().engine_key(key).map_err(to_py)
-    }
-
     /// How many of the engine's keys (a prompt's pages in order, bytes of 1 to 64) are ready on the host from the
     /// first, and whether the next one is being stored: `(hits, pending)`. Nothing is held.
     fn lookup_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {

@@ -4,8 +4,7 @@ Both managers run side by side in one process on the same keys (vLLM's OffloadKe
 4-byte group), with as many host slots as keys. Timed, each the median of the repeats: a lookup of every stored key
 (vLLM's scheduler calls lookup once a key), a prepare_store of as many new keys (evicting all the stored ones), its
 complete_store, the request's on_request_finished, and the store's two calls together (prepare+complete). kvtier's
-manager runs with each eviction policy under its default hash (keyed BLAKE3), and with LRU under ``hash_kind=xxh3``.
-Needs vLLM 0.33 (kvtier[vllm]).
+manager runs with each eviction policy. Needs vLLM 0.33 (kvtier[vllm]).
 
 With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
@@ -22,8 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-# kvtier's manager with each eviction policy, keyed BLAKE3 (the default hash), and LRU with xxh3.
-MANAGERS = ("vllm-lru", "vllm-arc", "kvtier-lru", "kvtier-adaptive", "kvtier-lru-xxh3")
+# vLLM's CPU manager and kvtier's, with each eviction policy.
+MANAGERS = ("vllm-lru", "vllm-arc", "kvtier-lru", "kvtier-adaptive")
 STEPS = ("lookup", "prepare_store", "complete_store", "on_request_finished", "prepare+complete")
 
 
@@ -35,9 +34,9 @@ def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
     from kvtier.vllm import KvtierManager
 
     def make(name: str) -> Any:
-        side, policy, *hash_kind = name.split("-")
+        side, policy = name.split("-")
         if side == "kvtier":
-            return KvtierManager(keys, eviction_policy=policy, hash_kind=hash_kind[0] if hash_kind else "blake3")
+            return KvtierManager(keys, eviction_policy=policy)
         return CPUOffloadingManager(num_chunks=keys, cache_policy=policy)
 
     def batch(base: int) -> list[Any]:
