@@ -123,7 +123,7 @@ struct SlotName {
 }
 
 /// The engine's bytes of the pages stored by engine key, kept by page slot: what an eviction reports, the store
-/// a report of a key belongs to, and a key's page found by its bytes without hashing them to a pool key.
+/// a report of a key belongs to, and a key's page found by its bytes.
 #[derive(Debug)]
 pub(super) struct Names {
     /// One a page slot up to the highest slot an engine key was stored in (none while only chains are stored). A
@@ -136,7 +136,7 @@ pub(super) struct Names {
     seed: u64,
     /// Pool keys given to pages stored by engine key (`new_key`).
     stored: u64,
-    /// Keys also being copied by a store of an earlier model version (the same bytes name another page now),
+    /// Keys also being copied by a store of an earlier model version (the same bytes may name another page now),
     /// oldest first: a report of such a key goes to the oldest store owed it.
     older: Vec<(Name, u64)>,
 }
@@ -190,8 +190,8 @@ impl Names {
         }
     }
 
-    /// A new model version: names map to other pool keys, and the stores owed reports of them are owed them as
-    /// keys of an earlier version.
+    /// A new model version: no key finds a page of an earlier one, and the stores owed reports of keys are owed
+    /// them as keys of an earlier version.
     pub(super) fn new_version(&mut self) {
         for &s in &self.by_name {
             let slot = &mut self.slots[s as usize];
