@@ -159,18 +159,6 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     let n = keys.len().unwrap_or(0);
     let mut out = PackedKeys { bytes: Vec::with_capacity(n * 40), ends: Vec::with_capacity(n) };
     let mut add = |i: usize, k: &Bound<'_, PyAny>| -> PyResult<()> {
-        // SAFETY: `k` is a live object; a bytes object (exactly, checked by its type) has a buffer of `len` bytes
-        // that lives as long as `k`, which outlives this read.
-        unsafe {
-            if pyo3::ffi::Py_TYPE(k.as_ptr()) == &raw mut pyo3::ffi::PyBytes_Type {
-                let (mut ptr, mut len) = (std::ptr::null_mut(), 0);
-                if pyo3::ffi::PyBytes_AsStringAndSize(k.as_ptr(), &mut ptr, &mut len) == 0 {
-                    out.bytes.extend_from_slice(std::slice::from_raw_parts(ptr.cast::<u8>(), len as usize));
-                    out.ends.push(out.bytes.len());
-                    return Ok(());
-                }
-            }
-        }
         let b = k.cast::<PyBytes>().map_err(|_| {
             let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
