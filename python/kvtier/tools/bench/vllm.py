@@ -9,7 +9,7 @@ manager runs with each eviction policy. Needs vLLM 0.33 (kvtier[vllm]).
 With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
 bytes, whether the round trip is exact, and a bf16 GEMM (8192^3, 20 times) alone and with a store and a load on
-kvtier's copy streams beside it.
+kvtier's copy streams beside it (seven of each in turn, medians).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 
 # vLLM's CPU manager and kvtier's, with each eviction policy.
 MANAGERS = ("vllm-lru", "vllm-arc", "kvtier-lru", "kvtier-adaptive")
+# GEMMs timed alone and beside the copies, in turn (--copies); the medians of each are reported.
+GEMM_PAIRS = 7
 STEPS = ("lookup", "prepare_store", "complete_store", "on_request_finished", "prepare+complete")
 
 
@@ -141,8 +143,10 @@ def _copies_row(name: str, tensors: list[Any], copy_method: str = "auto") -> dic
             return float(e0.elapsed_time(e1))
 
         gemm_ms(False)
-        alone = min(gemm_ms(False) for _ in range(3))
-        with_copies = min(gemm_ms(True) for _ in range(3))
+        # Alone and beside the copies in turn, so that clock drift between runs falls on both alike.
+        pairs = [(gemm_ms(False), gemm_ms(True)) for _ in range(GEMM_PAIRS)]
+        alone = statistics.median(a for a, _ in pairs)
+        with_copies = statistics.median(w for _, w in pairs)
     finally:
         copier.close()
     return {
