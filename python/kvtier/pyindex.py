@@ -364,9 +364,14 @@ class PyIndex:
         k = self.engine_keys.get(bytes(key))
         return k if k in self.pages.entries else None
 
+    def _entry(self, key: bytes) -> Entry | None:
+        """The host entry of the page stored by an engine key, if it is on the host."""
+        k = self._pool_key(key)
+        return None if k is None else self.pages.entries[k]
+
     def lookup_keys(self, keys: Sequence[bytes]) -> tuple[int, bool]:
         """(hits, pending): the leading engine keys ready on the host, and whether the next is being stored."""
-        entries = [self.pages.entries.get(k) if (k := self._pool_key(key)) is not None else None for key in keys]
+        entries = [self._entry(key) for key in keys]
         hits = 0
         while hits < len(entries) and (e := entries[hits]) is not None and e.ready:
             hits += 1
@@ -390,8 +395,7 @@ class PyIndex:
 
     def key_state(self, key: bytes) -> int:
         """0: no page of the engine key on the host, 1: being stored, 2: ready (not counted as a lookup)."""
-        k = self._pool_key(key)
-        e = None if k is None else self.pages.entries[k]
+        e = self._entry(key)
         return 0 if e is None else 2 if e.ready else 1
 
     def complete_keys(self, keys: Iterable[bytes], ok: bool) -> tuple[int, list[tuple[int, bool]]]:

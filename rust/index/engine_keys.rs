@@ -446,10 +446,7 @@ impl Index {
         let (slots, victims) = self.pages.reserve_evicting(&missing).expect("checked available()");
         // The names of the keys evicted here, before their slots are named again.
         let evicted: Vec<Name> = victims.iter().map(|&(s, k)| self.names.name(s, k)).collect();
-        if self.events.enabled() && !evicted.is_empty() {
-            let names = evicted.iter().map(|n| n.as_bytes().to_vec()).collect();
-            self.events.record(true, Medium::Cpu, victims.into_iter().map(|(_, k)| k).collect(), names);
-        }
+        self.record(true, Medium::Cpu, victims);
         let ticket = self.issue(Ticket {
             kind: TicketKind::KeyStore { remaining: missing.len(), failed: false },
             pages: held.iter().map(|&s| (s, false)).chain(slots.iter().map(|&s| (s, true))).collect(),
