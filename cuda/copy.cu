@@ -14,6 +14,7 @@
 // Ids travel by value in the kernel parameters (CUDA 12.1+ allows 32764 bytes on sm_70+), so nothing the caller
 // owns has to outlive the call and no id buffer has to be fenced with events; batches larger than one launch's
 // id capacity are split into several launches on the same stream.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +44,128 @@ extern "C" int kvtier_cuda_host_register(void* ptr, size_t bytes) {
 }
 
 extern "C" int kvtier_cuda_host_unregister(void* ptr) { return cudaHostUnregister(ptr); }
+
+// The driver calls of host memory made by the driver, found through the runtime (no link against libcuda); their
+// CUresult errors share cudaError_t's numbers.
+namespace {
+
+template <class F>
+F driver_entry(const char* name) {
+  void* fn = nullptr;
+#if CUDART_VERSION >= 12050
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12020, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    fn = nullptr;
+  }
+#else
+  (void)name;
+#endif
+  return reinterpret_cast<F>(fn);
+}
+
+struct HostVmm {
+  decltype(&cuMemCreate) create = nullptr;
+  decltype(&cuMemRelease) release = nullptr;
+  decltype(&cuMemAddressReserve) reserve = nullptr;
+  decltype(&cuMemAddressFree) free = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemSetAccess) set_access = nullptr;
+  size_t granularity = 0;
+  int numa = 0;
+  int devices = 0;
+  CUmemAllocationProp prop;
+};
+
+// Found once, for the device current at the first call; nullptr where not supported.
+const HostVmm* host_vmm() {
+  static const HostVmm* vmm = []() -> const HostVmm* {
+    static HostVmm v;
+    auto attribute = driver_entry<decltype(&cuDeviceGetAttribute)>("cuDeviceGetAttribute");
+    auto granularity = driver_entry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
+    v.create = driver_entry<decltype(&cuMemCreate)>("cuMemCreate");
+    v.release = driver_entry<decltype(&cuMemRelease)>("cuMemRelease");
+    v.reserve = driver_entry<decltype(&cuMemAddressReserve)>("cuMemAddressReserve");
+    v.free = driver_entry<decltype(&cuMemAddressFree)>("cuMemAddressFree");
+    v.map = driver_entry<decltype(&cuMemMap)>("cuMemMap");
+    v.unmap = driver_entry<decltype(&cuMemUnmap)>("cuMemUnmap");
+    v.set_access = driver_entry<decltype(&cuMemSetAccess)>("cuMemSetAccess");
+    int device = 0, supported = 0;
+    if (!attribute || !granularity || !v.create || !v.release || !v.reserve || !v.free || !v.map || !v.unmap ||
+        !v.set_access || cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceCount(&v.devices) != cudaSuccess ||
+        attribute(&supported, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != 0 ||
+        !supported || attribute(&v.numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device) != 0) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    if (v.numa < 0) v.numa = 0;  // no NUMA: node 0 is all of the host
+    std::memset(&v.prop, 0, sizeof(v.prop));
+    v.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    v.prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    v.prop.location.id = v.numa;
+    if (granularity(&v.granularity, &v.prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != 0 || v.granularity == 0) {
+      return nullptr;
+    }
+    return &v;
+  }();
+  return vmm;
+}
+
+}  // namespace
+
+extern "C" int kvtier_host_vmm_granularity(size_t* granularity) {
+  const HostVmm* v = host_vmm();
+  if (v == nullptr) return cudaErrorNotSupported;
+  *granularity = v->granularity;
+  return cudaSuccess;
+}
+
+extern "C" int kvtier_host_vmm_reserve(size_t bytes, uint64_t* base) {
+  const HostVmm* v = host_vmm();
+  if (v == nullptr) return cudaErrorNotSupported;
+  CUdeviceptr ptr = 0;
+  const int err = v->reserve(&ptr, bytes, v->granularity, 0, 0);
+  *base = ptr;
+  return err;
+}
+
+extern "C" int kvtier_host_vmm_map(uint64_t at, size_t bytes) {
+  const HostVmm* v = host_vmm();
+  if (v == nullptr) return cudaErrorNotSupported;
+  CUmemGenericAllocationHandle handle;
+  int err = v->create(&handle, bytes, &v->prop, 0);
+  if (err != 0) return err;
+  err = v->map(at, bytes, 0, handle, 0);
+  v->release(handle);  // the mapping keeps the memory until it is unmapped
+  if (err != 0) return err;
+  // Read and write for the CPU and for every device, as cudaHostRegisterPortable gives.
+  CUmemAccessDesc access[64];
+  const int n = std::min(v->devices, 63);
+  std::memset(access, 0, sizeof(access));
+  for (int d = 0; d < n; ++d) {
+    access[d].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[d].location.id = d;
+    access[d].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  access[n].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access[n].location.id = v->numa;
+  access[n].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  err = v->set_access(at, bytes, access, n + 1);
+  if (err != 0) v->unmap(at, bytes);
+  return err;
+}
+
+extern "C" int kvtier_host_vmm_unmap(uint64_t at, size_t bytes) {
+  const HostVmm* v = host_vmm();
+  return v == nullptr ? cudaErrorNotSupported : v->unmap(at, bytes);
+}
+
+extern "C" int kvtier_host_vmm_free(uint64_t base, size_t bytes) {
+  const HostVmm* v = host_vmm();
+  return v == nullptr ? cudaErrorNotSupported : v->free(base, bytes);
+}
 
 namespace {
 
@@ -276,26 +399,9 @@ extern "C" int kvtier_memcpy_batch(int device, void* const* dsts, const void* co
 }
 
 extern "C" int kvtier_cuda_allocation_base(uint64_t ptr, uint64_t* base) {
-  // cuMemGetAddressRange, found through the runtime (no link against libcuda); its CUresult errors share
-  // cudaError_t's numbers.
-  using AddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
-  static AddressRange range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-#if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      fn = nullptr;
-    }
-#else
-    (void)found;
-#endif
-    return reinterpret_cast<AddressRange>(fn);
-  }();
+  static const auto range = driver_entry<decltype(&cuMemGetAddressRange)>("cuMemGetAddressRange");
   if (range == nullptr) return cudaErrorNotSupported;
-  unsigned long long b = 0;
+  CUdeviceptr b = 0;
   size_t size = 0;
   const int err = range(&b, &size, ptr);
   *base = b;

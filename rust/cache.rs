@@ -300,7 +300,7 @@ mod tests {
     use super::*;
     use crate::copy::{CopyOptions, GpuPool, PageCopier};
     use crate::cuda::Layer;
-    use crate::hostmem::HostPool;
+    use crate::hostmem::{HostPool, PinMethod};
     use crate::index::Config;
 
     const BS: usize = 4;
@@ -319,11 +319,11 @@ mod tests {
             // SAFETY: the test's vectors outlive the cache.
             unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() }
         };
-        let pages = StdArc::new(HostPool::new(page_slots, PAGE, 1 << 16, Some(false)).unwrap());
+        let pages = StdArc::new(HostPool::new(page_slots, PAGE, 1 << 16, Some(false), PinMethod::Auto).unwrap());
         pages.grow_to(page_slots).unwrap();
         let mut staging = vec![0u8; 2 * 16];
         let states = (state_slots > 0).then(|| {
-            let host = StdArc::new(HostPool::new(state_slots, 16, 1 << 16, Some(false)).unwrap());
+            let host = StdArc::new(HostPool::new(state_slots, 16, 1 << 16, Some(false), PinMethod::Auto).unwrap());
             host.grow_to(state_slots).unwrap();
             copier(staging.as_mut_ptr() as u64, 2, 16, host)
         });

@@ -447,14 +447,15 @@ impl PageCopier {
         }
     }
 
-    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. The host
-    /// pool is registered with CUDA one pin step at a time, and a copy-engine piece may not span two
-    /// registrations: pieces are cut at step boundaries (the kernel, which reads 16 bytes at a time, need not).
+    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. A host pool
+    /// registered with CUDA one pin step at a time cannot take a copy-engine piece across two registrations: pieces
+    /// are cut at its `copy_span_bytes` (the kernel, which reads 16 bytes at a time, need not be; memory made by
+    /// the driver is one span).
     fn dma_pieces(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Pieces {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
-        let step = self.host.step_bytes();
+        let step = self.host.copy_span_bytes();
         let cap = gpu_ids.len() * layers.len();
         let mut pieces =
             Pieces { dev: Vec::with_capacity(cap), host: Vec::with_capacity(cap), size: Vec::with_capacity(cap) };
@@ -478,7 +479,7 @@ impl PageCopier {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
-        let step = self.host.step_bytes();
+        let step = self.host.copy_span_bytes();
         let mut ops = Vec::with_capacity(gpu_ids.len() * self.runs.len());
         for (&g, &h) in gpu_ids.iter().zip(host_slots) {
             for run in &self.runs {
@@ -522,7 +523,7 @@ impl PageCopier {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();
         let slot_bytes = self.host.slot_bytes();
-        let step = self.host.step_bytes();
+        let step = self.host.copy_span_bytes();
         let mut ops = Vec::with_capacity(runs.len() * layers.len());
         for l in layers {
             let layer = self.pool.layers[l];
@@ -631,7 +632,7 @@ fn step_cuts(off: u64, len: u64, step: u64) -> impl Iterator<Item = (u64, u64)> 
     })
 }
 
-/// Copy-engine pieces, merged while contiguous on both sides and inside one pin step of the host pool.
+/// Copy-engine pieces, merged while contiguous on both sides and inside one copy span of the host pool.
 struct Pieces {
     dev: Vec<u64>,
     host: Vec<u64>,
@@ -729,6 +730,7 @@ impl CompletionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hostmem::PinMethod;
 
     fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
         let mut mem: Vec<Vec<u8>> =
@@ -740,7 +742,7 @@ mod tests {
                 Layer { base, stride: seg + 16 }
             })
             .collect();
-        let host = Arc::new(HostPool::new(slots, seg * layers as u64, 1 << 16, Some(false)).unwrap());
+        let host = Arc::new(HostPool::new(slots, seg * layers as u64, 1 << 16, Some(false), PinMethod::Auto).unwrap());
         host.grow_to(slots).unwrap();
         let pool = GpuPool { layers: layer_ptrs, num_blocks: blocks, segment_bytes: seg, device: None };
         // SAFETY: `mem` is returned to the test and outlives the copier's use.
@@ -778,7 +780,7 @@ mod tests {
         // One layer of 1536-byte pages, contiguous on the GPU side; the host pool registers 4096-byte pin steps.
         let mut mem = vec![0u8; 1536 * 16 + 16];
         let base = (mem.as_mut_ptr() as u64).next_multiple_of(16);
-        let host = Arc::new(HostPool::new(16, 1536, 4096, Some(false)).unwrap());
+        let host = Arc::new(HostPool::new(16, 1536, 4096, Some(false), PinMethod::Auto).unwrap());
         host.grow_to(16).unwrap();
         let pool =
             GpuPool { layers: vec![Layer { base, stride: 1536 }], num_blocks: 16, segment_bytes: 1536, device: None };
@@ -827,7 +829,7 @@ mod tests {
             Layer { base: 0x30000, stride: 1536 },
             Layer { base: 0x90000, stride: 1536 },
         ];
-        let host = Arc::new(HostPool::new(4, 6144, 8192, Some(false)).unwrap());
+        let host = Arc::new(HostPool::new(4, 6144, 8192, Some(false), PinMethod::Auto).unwrap());
         host.grow_to(4).unwrap();
         let pool = GpuPool { layers, num_blocks: 8, segment_bytes: 1536, device: None };
         // SAFETY: no copy is made.
@@ -878,7 +880,7 @@ mod tests {
 
     fn layers_of(layers: [(u64, u64); 4]) -> (Arc<HostPool>, PageCopier) {
         let layers = layers.map(|(base, stride)| Layer { base, stride }).to_vec();
-        let host = Arc::new(HostPool::new(8, 6144, 8192, Some(false)).unwrap());
+        let host = Arc::new(HostPool::new(8, 6144, 8192, Some(false), PinMethod::Auto).unwrap());
         host.grow_to(8).unwrap();
         let pool = GpuPool { layers, num_blocks: 16, segment_bytes: 1536, device: None };
         // SAFETY: no copy is made.

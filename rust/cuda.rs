@@ -29,6 +29,11 @@ mod ffi {
         pub fn kvtier_cuda_error_string(code: i32) -> *const c_char;
         pub fn kvtier_cuda_host_register(ptr: *mut c_void, bytes: usize) -> i32;
         pub fn kvtier_cuda_host_unregister(ptr: *mut c_void) -> i32;
+        pub fn kvtier_host_vmm_granularity(granularity: *mut usize) -> i32;
+        pub fn kvtier_host_vmm_reserve(bytes: usize, base: *mut u64) -> i32;
+        pub fn kvtier_host_vmm_map(at: u64, bytes: usize) -> i32;
+        pub fn kvtier_host_vmm_unmap(at: u64, bytes: usize) -> i32;
+        pub fn kvtier_host_vmm_free(base: u64, bytes: usize) -> i32;
         pub fn kvtier_copy_pages(
             desc: *const CopyDesc,
             gpu_ids: *const i32,
@@ -151,6 +156,78 @@ pub unsafe fn host_unregister(ptr: *mut u8) -> Result<()> {
     #[cfg(not(kvtier_cuda))]
     {
         let _ = ptr;
+        not_compiled()
+    }
+}
+
+/// Host memory made by the driver (cuda/copy.h): the size its steps are multiples of, or None where the driver
+/// or device has none (or CUDA is not compiled in).
+pub fn host_vmm_granularity() -> Option<usize> {
+    #[cfg(kvtier_cuda)]
+    {
+        let mut g = 0;
+        // SAFETY: writes one usize.
+        (unsafe { ffi::kvtier_host_vmm_granularity(&mut g) } == 0).then_some(g)
+    }
+    #[cfg(not(kvtier_cuda))]
+    None
+}
+
+/// Reserve `bytes` of address space (a multiple of the granularity) for host memory made by the driver.
+pub fn host_vmm_reserve(bytes: usize) -> Result<u64> {
+    #[cfg(kvtier_cuda)]
+    {
+        let mut base = 0;
+        // SAFETY: writes one u64.
+        check(unsafe { ffi::kvtier_host_vmm_reserve(bytes, &mut base) }, "cuMemAddressReserve")?;
+        Ok(base)
+    }
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = bytes;
+        not_compiled()
+    }
+}
+
+/// Back `at..at + bytes` of a reserved range with pinned host memory, readable and writable by the CPU and every
+/// device.
+///
+/// # Safety
+/// The range lies in a range of `host_vmm_reserve`, unmapped, its ends multiples of the granularity.
+pub unsafe fn host_vmm_map(at: u64, bytes: usize) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    return check(ffi::kvtier_host_vmm_map(at, bytes), "cuMemCreate/cuMemMap/cuMemSetAccess");
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (at, bytes);
+        not_compiled()
+    }
+}
+
+/// Undo `host_vmm_map(at, bytes)`, freeing the memory.
+///
+/// # Safety
+/// No copy and no CPU access may still touch the range.
+pub unsafe fn host_vmm_unmap(at: u64, bytes: usize) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    return check(ffi::kvtier_host_vmm_unmap(at, bytes), "cuMemUnmap");
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (at, bytes);
+        not_compiled()
+    }
+}
+
+/// Give back a range of `host_vmm_reserve`, every step of it unmapped.
+///
+/// # Safety
+/// Nothing in the range is mapped or used.
+pub unsafe fn host_vmm_free(base: u64, bytes: usize) -> Result<()> {
+    #[cfg(kvtier_cuda)]
+    return check(ffi::kvtier_host_vmm_free(base, bytes), "cuMemAddressFree");
+    #[cfg(not(kvtier_cuda))]
+    {
+        let _ = (base, bytes);
         not_compiled()
     }
 }

@@ -2,6 +2,12 @@
 //! slot's address is `base + slot * slot_bytes` for the pool's whole life; backed and pinned one pin step at a
 //! time by `grow_step`, which the cache runs off the engine loop. Only slots below `usable_slots()` may be copied to
 //! or from.
+//!
+//! Pinned pools take their memory from the CUDA driver where it can make host memory (`Pinning::Driver`: each
+//! step is created by the driver and mapped into the range, and copies may span steps), else from the process's
+//! own pages registered with CUDA step by step (`Pinning::Registered`: a copy may not span two registrations, and a
+//! registration holds up every other thread's CUDA launches while it runs, tens of ms at 256 MiB; the driver's steps
+//! hold up nothing).
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
@@ -27,13 +33,56 @@ mod sys {
 }
 
 const PAGE: u64 = 4096;
-/// Default growth step: about a tenth of a second of first touch and registration.
+/// Default growth step: about a tenth of a second of pinning, off the engine loop.
 pub const DEFAULT_STEP_BYTES: u64 = 256 << 20;
+
+/// How a pool's memory is pinned (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pinning {
+    /// Plain memory, which only CPU code copies.
+    None,
+    /// The process's pages, registered with CUDA a step at a time.
+    Registered,
+    /// Memory made by the CUDA driver a step at a time, mapped into one range.
+    Driver,
+}
+
+/// How pinned pools should get their memory: `Auto` is `Driver` where the driver can make host memory, else
+/// `Register`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinMethod {
+    Auto,
+    Driver,
+    Register,
+}
+
+impl std::str::FromStr for PinMethod {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "driver" => Ok(Self::Driver),
+            "register" => Ok(Self::Register),
+            _ => Err(invalid(format!("pin_method must be one of 'auto', 'driver', 'register', got '{s}'"))),
+        }
+    }
+}
+
+impl Pinning {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Registered => "register",
+            Self::Driver => "driver",
+        }
+    }
+}
 
 pub(crate) struct Mapping {
     base: *mut u8,
     len: usize,
-    /// Start and length of each range registered with CUDA.
+    /// Start and length of each step pinned (registered, or mapped by the driver).
     pinned: Vec<(usize, usize)>,
 }
 
@@ -46,7 +95,7 @@ pub struct HostPool {
     slots: u32,
     slot_bytes: u64,
     step_bytes: u64,
-    pin: bool,
+    pinning: Pinning,
     base: u64,
     /// Bytes from the base that are backed (and pinned when `pin`): slots below backed / slot_bytes are usable.
     backed: AtomicU64,
@@ -56,8 +105,9 @@ pub struct HostPool {
 }
 
 impl HostPool {
-    /// Reserve the range. `pin`: register pin steps with CUDA as they grow (None: when a CUDA device is visible).
-    pub fn new(slots: u32, slot_bytes: u64, step_bytes: u64, pin: Option<bool>) -> Result<Self> {
+    /// Reserve the range. `pin`: pin steps as they grow, the way `method` says (None: when a CUDA device is
+    /// visible).
+    pub fn new(slots: u32, slot_bytes: u64, step_bytes: u64, pin: Option<bool>, method: PinMethod) -> Result<Self> {
         if slots == 0 {
             return Err(invalid("slots must be > 0, got 0"));
         }
@@ -72,30 +122,31 @@ impl HostPool {
         if pin && !has_device {
             return Err(invalid("pin=True needs a CUDA device, and none is visible"));
         }
+        let driver = if pin { cuda::host_vmm_granularity() } else { None };
+        let (pinning, unit) =
+            match (pin, method, driver) {
+                (false, ..) => (Pinning::None, PAGE),
+                (true, PinMethod::Auto | PinMethod::Driver, Some(g)) => (Pinning::Driver, g as u64),
+                (true, PinMethod::Driver, None) => return Err(invalid(
+                    "pin_method='driver' needs host memory made by the CUDA driver (cuMemCreate on a host NUMA node, \
+                     a CUDA 12.2+ driver), which this driver or device does not have; use 'register'",
+                )),
+                (true, _, _) => (Pinning::Registered, PAGE),
+            };
         let len = u64::from(slots)
             .checked_mul(slot_bytes)
-            .and_then(|b| b.checked_next_multiple_of(PAGE))
+            .and_then(|b| b.checked_next_multiple_of(unit))
             .and_then(|b| usize::try_from(b).ok())
             .ok_or_else(|| invalid(format!("slots * slot_bytes overflows: {slots} * {slot_bytes}")))?;
-        // SAFETY: an anonymous private mapping with no fixed address; the result is checked below.
-        let base = unsafe { sys::mmap(std::ptr::null_mut(), len, sys::PROT_READ_WRITE, sys::MAP_FLAGS, -1, 0) };
-        if base as isize == -1 {
-            return Err(Error::Copy(format!(
-                "mmap of {len} bytes for the host pool failed: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        // Huge pages make the first touch and the registration cheaper; advice only, so its result is ignored.
-        // SAFETY: the range was just mapped.
-        unsafe { sys::madvise(base, len, sys::MADV_HUGEPAGE) };
+        let base = if pinning == Pinning::Driver { cuda::host_vmm_reserve(len)? as *mut u8 } else { map(len)? };
         Ok(Self {
             slots,
             slot_bytes,
-            step_bytes: step_bytes.next_multiple_of(PAGE),
-            pin,
+            step_bytes: step_bytes.next_multiple_of(unit),
+            pinning,
             base: base as u64,
             backed: AtomicU64::new(0),
-            mem: RwLock::new(Some(Mapping { base: base.cast(), len, pinned: Vec::new() })),
+            mem: RwLock::new(Some(Mapping { base, len, pinned: Vec::new() })),
             grow: Mutex::new(()),
         })
     }
@@ -112,9 +163,23 @@ impl HostPool {
         self.step_bytes
     }
 
-    /// Whether pin steps are registered with CUDA as they grow.
+    /// Whether pin steps are pinned as they grow.
     pub fn pinned(&self) -> bool {
-        self.pin
+        self.pinning != Pinning::None
+    }
+
+    pub fn pinning(&self) -> Pinning {
+        self.pinning
+    }
+
+    /// No copy-engine copy may cross a multiple of this many bytes from the base: a registered pool's steps are
+    /// CUDA registrations of their own; memory made by the driver is one range. (Unpinned pools, which only CPU
+    /// code copies, are cut as registered ones.)
+    pub fn copy_span_bytes(&self) -> u64 {
+        match self.pinning {
+            Pinning::Driver => u64::from(self.slots) * self.slot_bytes,
+            Pinning::None | Pinning::Registered => self.step_bytes,
+        }
     }
 
     /// The address of slot 0 (fixed for the pool's life).
@@ -150,10 +215,18 @@ impl HostPool {
         let end = (start + self.step_bytes as usize).min(len);
         // SAFETY: [start, end) lies inside the mapping.
         let ptr = unsafe { base.add(start) };
-        touch(ptr, end - start);
-        if self.pin {
-            // SAFETY: the range stays mapped until close/drop, which unregisters it first.
-            unsafe { cuda::host_register(ptr, end - start)? };
+        match self.pinning {
+            Pinning::None => touch(ptr, end - start),
+            Pinning::Registered => {
+                touch(ptr, end - start);
+                // SAFETY: the range stays mapped until close/drop, which unregisters it first.
+                unsafe { cuda::host_register(ptr, end - start)? };
+            }
+            // SAFETY: a step of the reserved range, not mapped yet (steps and the range's length are multiples of
+            // the granularity); close unmaps it.
+            Pinning::Driver => unsafe { cuda::host_vmm_map(ptr as u64, end - start)? },
+        }
+        if self.pinning != Pinning::None {
             let mut guard = self.mem.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             guard.as_mut().expect("close waits for the grow lock").pinned.push((start, end - start));
         }
@@ -211,22 +284,37 @@ impl HostPool {
         Ok(u64::from(slot) * self.slot_bytes)
     }
 
-    /// Unregister and unmap. No copy may still be in flight on a device. Idempotent.
+    /// Unpin and unmap. No copy may still be in flight on a device. Idempotent.
     pub fn close(&self) -> Result<()> {
         let _grow = self.grow.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut guard = self.mem.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(mem) = guard.take() else { return Ok(()) };
         self.backed.store(0, Ordering::Release);
         let mut first_error = None;
-        for &(start, _) in &mem.pinned {
-            // SAFETY: registered by grow_step; the caller guarantees no copy is in flight.
-            if let Err(e) = unsafe { cuda::host_unregister(mem.base.add(start)) } {
+        for &(start, len) in &mem.pinned {
+            // SAFETY: pinned by grow_step; the caller guarantees no copy is in flight.
+            let done = unsafe {
+                match self.pinning {
+                    Pinning::Driver => cuda::host_vmm_unmap(mem.base as u64 + start as u64, len),
+                    _ => cuda::host_unregister(mem.base.add(start)),
+                }
+            };
+            if let Err(e) = done {
                 first_error.get_or_insert(e);
             }
         }
-        // SAFETY: the mapping made in `new`, unmapped once (guard.take()).
-        if unsafe { sys::munmap(mem.base.cast(), mem.len) } != 0 {
-            first_error.get_or_insert(Error::Copy(format!("munmap: {}", std::io::Error::last_os_error())));
+        // SAFETY: the range reserved in `new`, given back once (guard.take()).
+        let freed = unsafe {
+            if self.pinning == Pinning::Driver {
+                cuda::host_vmm_free(mem.base as u64, mem.len)
+            } else if sys::munmap(mem.base.cast(), mem.len) != 0 {
+                Err(Error::Copy(format!("munmap: {}", std::io::Error::last_os_error())))
+            } else {
+                Ok(())
+            }
+        };
+        if let Err(e) = freed {
+            first_error.get_or_insert(e);
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -236,6 +324,22 @@ impl Drop for HostPool {
     fn drop(&mut self) {
         let _ = self.close();
     }
+}
+
+/// An anonymous private mapping of `len` bytes, nothing committed, huge pages advised.
+fn map(len: usize) -> Result<*mut u8> {
+    // SAFETY: an anonymous private mapping with no fixed address; the result is checked below.
+    let base = unsafe { sys::mmap(std::ptr::null_mut(), len, sys::PROT_READ_WRITE, sys::MAP_FLAGS, -1, 0) };
+    if base as isize == -1 {
+        return Err(Error::Copy(format!(
+            "mmap of {len} bytes for the host pool failed: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // Huge pages make the first touch and the registration cheaper; advice only, so its result is ignored.
+    // SAFETY: the range was just mapped.
+    unsafe { sys::madvise(base, len, sys::MADV_HUGEPAGE) };
+    Ok(base.cast())
 }
 
 /// Commit the pages of a range: one madvise where the kernel has MADV_POPULATE_WRITE (5.14+), else a write per page.
@@ -256,7 +360,7 @@ mod tests {
 
     #[test]
     fn grows_in_steps_and_reads_back() {
-        let pool = HostPool::new(10, 1000 * 16, 3 * 16000, Some(false)).unwrap();
+        let pool = HostPool::new(10, 1000 * 16, 3 * 16000, Some(false), PinMethod::Auto).unwrap();
         assert_eq!(pool.usable_slots(), 0);
         assert!(pool.read(0).is_err());
         let first = pool.grow_step().unwrap();

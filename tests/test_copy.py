@@ -150,12 +150,18 @@ def test_host_pool_rejects_bad_sizes(args: tuple[int, int], exc: type[Exception]
         HostPool(*args, pin=False)
 
 
+def test_host_pool_rejects_an_unknown_pin_method() -> None:
+    with pytest.raises(ValueError, match="pin_method must be one of 'auto', 'driver', 'register', got 'mlock'"):
+        HostPool(4, 16, pin=False, pin_method="mlock")
+
+
 def test_pin_needs_a_device() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         HostPool(4, 16, pin=True)
-    assert HostPool(4, 16).pinned is False
+    pool = HostPool(4, 16, pin_method="driver")  # nothing to pin: the method does not matter
+    assert (pool.pinned, pool.pinning) == (False, "none")
 
 
 @pytest.fixture

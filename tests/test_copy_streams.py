@@ -104,10 +104,18 @@ def test_without_wait_layer_the_model_reads_too_early(layout: str) -> None:
 
 
 def _pools(
-    layers: int, segment: int, blocks: int, slots: int, seed: int, views: bool = False, one: bool = False
+    layers: int,
+    segment: int,
+    blocks: int,
+    slots: int,
+    seed: int,
+    views: bool = False,
+    one: bool = False,
+    pin_method: str = "auto",
 ) -> tuple[list[torch.Tensor], HostPool]:
-    """Random layer tensors and a pinned host pool of their pages; ``views``: the layer parts of one page-first
-    tensor (``layer_views``) instead of separate tensors; ``one``: the layers of one layer-first tensor."""
+    """Random layer tensors and a pinned host pool of their pages, pinned in steps of 1 MiB (2 MiB, the driver's
+    granularity, with ``pin_method="driver"``); ``views``: the layer parts of one page-first tensor (``layer_views``)
+    instead of separate tensors; ``one``: the layers of one layer-first tensor."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if one:
         pool = list(torch.randint(0, 256, (layers, blocks, segment), dtype=torch.uint8, device="cuda", generator=gen))
@@ -119,7 +127,8 @@ def _pools(
             torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda", generator=gen)
             for _ in range(layers)
         ]
-    host = HostPool(slots, segment * layers, step_bytes=1 << 20)
+    host = HostPool(slots, segment * layers, step_bytes=1 << 20, pin_method=pin_method)
+    assert host.pinning == ("register" if pin_method == "register" else "driver")
     host.grow_to(slots)
     return pool, host
 
@@ -137,10 +146,20 @@ def _page(pool, block: int) -> np.ndarray:  # type: ignore[no-untyped-def]
     + [(32, 256 << 10, "one"), (5, 64 << 10, "one"), (3, 272, "one")],  # evenly spaced layers: 2D copies
 )
 @pytest.mark.parametrize("method", ["dma", "kernel", "auto"])
-def test_methods_exact_whole_and_per_layer(layers: int, segment: int, alloc: str, method: str) -> None:
+@pytest.mark.parametrize("pin_method", ["driver", "register"])
+def test_methods_exact_whole_and_per_layer(layers: int, segment: int, alloc: str, method: str, pin_method: str) -> None:
     rng = np.random.default_rng(layers + segment)
     num_blocks, slots, n = 48, 40, 24
-    pool, host = _pools(layers, segment, num_blocks, slots, seed=layers, views=alloc == "views", one=alloc == "one")
+    pool, host = _pools(
+        layers,
+        segment,
+        num_blocks,
+        slots,
+        seed=layers,
+        views=alloc == "views",
+        one=alloc == "one",
+        pin_method=pin_method,
+    )
     copier = PageCopier(pool[0] if layers == 1 else pool, host, method=method)
     if alloc:
         assert copier.layer_runs == [(0, layers)]
@@ -183,11 +202,11 @@ def test_methods_exact_whole_and_per_layer(layers: int, segment: int, alloc: str
     host.close()
 
 
-def _round_trip_by_dma(pool: list[torch.Tensor], pages: list[int]) -> PageCopier:
+def _round_trip_by_dma(pool: list[torch.Tensor], pages: list[int], pin_method: str = "auto") -> PageCopier:
     """Copies ``pages`` (block i to slot i) of ``pool`` to a pinned host pool and back into poisoned blocks by the copy
     engine, checking the bytes both ways."""
     segment = pool[0].shape[1]
-    host = HostPool(len(pages), segment * len(pool), step_bytes=1 << 20)
+    host = HostPool(len(pages), segment * len(pool), step_bytes=1 << 20, pin_method=pin_method)
     host.grow_to(len(pages))
     copier = PageCopier(pool, host, method="dma")
     stream = CopyStream(torch.cuda.current_device())
@@ -241,14 +260,16 @@ def test_2d_copies_across_separate_allocations() -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_2d_copies_of_runs_of_blocks_in_separate_allocations() -> None:
+@pytest.mark.parametrize("pin_method", ["driver", "register"])
+def test_2d_copies_of_runs_of_blocks_in_separate_allocations(pin_method: str) -> None:
     """Layer tensors allocated one by one, pages in runs of consecutive blocks and slots: each layer's segments of a
-    run go as one 2D copy (a block stride apart on the GPU, a host page apart on the host), cut where the host rows
-    reach into the next 1 MiB pin step, and the bytes are exact both ways."""
+    run go as one 2D copy (a block stride apart on the GPU, a host page apart on the host), and the bytes are exact
+    both ways. Registered in 1 MiB pin steps, the rows are cut where they reach into the next step (CUDA refuses a
+    copy across two registrations); the driver's memory is one range, and its rows cross its 2 MiB steps uncut."""
     layers, blocks, segment = 5, 64, 192 << 10  # host pages of 960 KiB: rows cross the pin steps at odd places
     torch.cuda.empty_cache()
     pool = [torch.randint(0, 256, (blocks, segment), dtype=torch.uint8, device="cuda") for _ in range(layers)]
-    _round_trip_by_dma(pool, [3, 4, 5, 6, 7, 8, 20, 21, 40, 41, 42])
+    _round_trip_by_dma(pool, [3, 4, 5, 6, 7, 8, 20, 21, 40, 41, 42], pin_method)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Type stubs of kvtier's Rust core (kvtier._core)."""
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, Generic, TypeAlias, TypeVar, final
+from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -381,6 +381,7 @@ class HostPool:
         *,
         step_bytes: int | None = None,
         pin: bool | None = None,
+        pin_method: str = "auto",  # "auto", "driver" or "register"
     ) -> Self: ...
     @property
     def slots(self) -> int: ...
@@ -390,6 +391,8 @@ class HostPool:
     def step_bytes(self) -> int: ...
     @property
     def pinned(self) -> bool: ...
+    @property
+    def pinning(self) -> Literal["driver", "register", "none"]: ...
     @property
     def base_ptr(self) -> int: ...
     @property

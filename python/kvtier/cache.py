@@ -133,6 +133,7 @@ class HostPrefixCache:
             state_slots=g.state_slots,
             state_bytes=g.state_bytes,
             step_bytes=s.pin_step_bytes,
+            pin_method=s.pin_method,
             on_error=self.failures.failed,
         )
         # Building the copiers checks the GPU pool (dtype, shapes, alignment, writable memory) before anything is

@@ -28,11 +28,14 @@ class HostMemory:
         state_slots: int,
         state_bytes: int,
         step_bytes: int,
+        pin_method: str,
         on_error: Callable[[str, BaseException], None],
     ) -> None:
         self._index = index
-        self.pages = HostPool(page_slots, page_bytes, step_bytes=step_bytes)
-        self.states = HostPool(state_slots, state_bytes, step_bytes=step_bytes) if state_slots else None
+        self.pages = HostPool(page_slots, page_bytes, step_bytes=step_bytes, pin_method=pin_method)
+        self.states = (
+            HostPool(state_slots, state_bytes, step_bytes=step_bytes, pin_method=pin_method) if state_slots else None
+        )
         self._pools = [p for p in (self.pages, self.states) if p is not None]
         self._on_error = on_error
         self._thread: threading.Thread | None = None

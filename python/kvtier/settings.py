@@ -205,8 +205,17 @@ REGISTRY: tuple[Setting, ...] = (
         "pin_step_bytes",
         BYTES,
         256 << 20,
-        "host pools are pinned in pin steps of this size off the engine loop (a copy-engine piece stays in one)",
+        "host pools are pinned in pin steps of this size off the engine loop",
         minimum=1,
+    ),
+    S(
+        "pin_method",
+        TEXT,
+        "auto",
+        "`driver`: host memory made by the CUDA driver, step by step into one range; `register`: the process's pages "
+        "registered with CUDA a step at a time (copies cut at steps; each registration holds up the engine's "
+        "launches); `auto`: `driver` where the driver can",
+        choices=("auto", "driver", "register"),
     ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),

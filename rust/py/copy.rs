@@ -22,7 +22,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
-/// (`step_bytes`) at a time.
+/// (`step_bytes`) at a time, the way `pin_method` says (rust/hostmem.rs).
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
@@ -31,14 +31,21 @@ pub struct PyHostPool {
 #[pymethods]
 impl PyHostPool {
     #[new]
-    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None))]
-    fn new(slots: i64, slot_bytes: i64, step_bytes: Option<i64>, pin: Option<bool>) -> PyResult<Self> {
+    #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None, pin_method = "auto"))]
+    fn new(
+        slots: i64,
+        slot_bytes: i64,
+        step_bytes: Option<i64>,
+        pin: Option<bool>,
+        pin_method: &str,
+    ) -> PyResult<Self> {
         let step_bytes = step_bytes.unwrap_or(hostmem::DEFAULT_STEP_BYTES as i64);
         let pool = HostPool::new(
             non_negative("slots", slots)?,
             non_negative("slot_bytes", slot_bytes)?,
             non_negative("step_bytes", step_bytes)?,
             pin,
+            pin_method.parse().map_err(to_py)?,
         )
         .map_err(to_py)?;
         Ok(Self { inner: Arc::new(pool) })
@@ -62,6 +69,12 @@ impl PyHostPool {
     #[getter]
     fn pinned(&self) -> bool {
         self.inner.pinned()
+    }
+
+    /// How the memory is pinned: "driver", "register" or "none".
+    #[getter]
+    fn pinning(&self) -> &'static str {
+        self.inner.pinning().name()
     }
 
     #[getter]
@@ -101,18 +114,18 @@ impl PyHostPool {
         self.inner.write(non_negative("slot", slot)?, data).map_err(to_py)
     }
 
-    /// Unregister and unmap the memory; no copy may still be in flight. Idempotent.
+    /// Unpin and unmap the memory; no copy may still be in flight. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.close()).map_err(to_py)
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "HostPool(slots={}, slot_bytes={}, usable_slots={}, pinned={})",
+            "HostPool(slots={}, slot_bytes={}, usable_slots={}, pinning='{}')",
             self.inner.slots(),
             self.inner.slot_bytes(),
             self.inner.usable_slots(),
-            self.inner.pinned()
+            self.inner.pinning().name()
         )
     }
 }

@@ -156,7 +156,7 @@ def _pin_rate(gib: float) -> dict[str, Any]:
         "gibps": pool.slots * slot / (1 << 30) / total,
         "step_bytes": pool.step_bytes,
         "max_step_ms": max(steps) * 1e3,
-        "pinned": pool.pinned,
+        "pinning": pool.pinning,
     }
     pool.close()
     return row
@@ -384,7 +384,7 @@ def _emit(row: dict[str, Any], as_json: bool) -> None:
     if kind == "pin":
         print(
             f"host pool: backed and pinned {row['gib']:.1f} GiB in {row['seconds']:.2f} s = {row['gibps']:.2f} GiB/s "
-            f"(steps of {row['step_bytes'] >> 20} MiB, longest {row['max_step_ms']:.0f} ms, pinned={row['pinned']})",
+            f"(steps of {row['step_bytes'] >> 20} MiB, longest {row['max_step_ms']:.0f} ms, pinning={row['pinning']})",
             flush=True,
         )
     elif kind == "gemm_alone":
