@@ -87,6 +87,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--gemm-iters", type=at_least(1), default=60, help="GEMMs a timed loop")
     ap.add_argument("--pin-gib", type=at_least(0, float), default=0.0, help="GiB of HostPool to back and pin (0: skip)")
+    ap.add_argument(
+        "--pin-method", choices=("auto", "driver", "register"), default="auto", help="how host pools are pinned"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", type=plot_file, metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -137,11 +140,11 @@ class _Timer:
         return statistics.median(times)
 
 
-def _pin_rate(gib: float) -> dict[str, Any]:
+def _pin_rate(gib: float, pin_method: str) -> dict[str, Any]:
     from kvtier.copy import HostPool
 
     slot = 2 << 20
-    pool = HostPool(int(gib * (1 << 30)) // slot, slot)
+    pool = HostPool(int(gib * (1 << 30)) // slot, slot, pin_method=pin_method)
     steps = []
     t0 = time.perf_counter()
     while pool.usable_slots < pool.slots:
@@ -166,7 +169,16 @@ class _Pages:
     """A GPU pool and a pinned host pool of 2n pages with random bytes; one half is read, the other written."""
 
     def __init__(
-        self, torch: Any, dev: Any, layers: int, segment: int, n: int, pinned: Any, rng: Any, one: bool = False
+        self,
+        torch: Any,
+        dev: Any,
+        layers: int,
+        segment: int,
+        n: int,
+        pinned: Any,
+        rng: Any,
+        pin_method: str,
+        one: bool = False,
     ) -> None:
         from kvtier.copy import HostPool, host_array
 
@@ -175,7 +187,7 @@ class _Pages:
             self.pool = list(torch.randint(0, 256, (layers, 2 * n, segment), dtype=torch.uint8, device=dev))
         else:
             self.pool = [torch.randint(0, 256, (2 * n, segment), dtype=torch.uint8, device=dev) for _ in range(layers)]
-        self.host = HostPool(2 * n, page_bytes)
+        self.host = HostPool(2 * n, page_bytes, pin_method=pin_method)
         self.host.grow_to(2 * n)
         pinned[: 2 * n * page_bytes].copy_(torch.randint(0, 256, (2 * n * page_bytes,), dtype=torch.uint8, device=dev))
         host_array(self.host).reshape(-1)[:] = pinned[: 2 * n * page_bytes].numpy()
@@ -209,7 +221,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             total = min(args.mib << 20, args.max_pieces * segment, half)
             n = max(1, total // page_bytes)
             total = n * page_bytes
-            pages = _Pages(torch, dev, layers, segment, n, pinned, rng, one=args.layer_alloc == "one")
+            pages = _Pages(torch, dev, layers, segment, n, pinned, rng, args.pin_method, one=args.layer_alloc == "one")
             memcpy = {
                 "h2d": lambda t=total: flat[:t].copy_(pinned[:t], non_blocking=True),
                 "d2h": lambda t=total: pinned[half : half + t].copy_(flat[half : half + t], non_blocking=True),
@@ -249,6 +261,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
                     row = {
                         "kind": "rate",
                         "layout": "page-first" if layers == 1 else "layer-first",
+                        "pinning": pages.host.pinning,
                         "direction": d,
                         "page_bytes": page_bytes,
                         "piece_bytes": segment,
@@ -298,7 +311,7 @@ def _gemm_cost(
     layers = args.gemm_layers
     for page in args.gemm_sizes:
         n = max(1, min(args.mib << 20, half) // (page * layers))
-        pages = _Pages(torch, dev, layers, page, n, pinned, rng, one=True)
+        pages = _Pages(torch, dev, layers, page, n, pinned, rng, args.pin_method, one=True)
         for (method, ctas), d in itertools.product(_method_grids(args), ("h2d", "d2h")):
             c = pages.copier(method=method, ctas=ctas or sms, threads=args.threads)
             h = copy_stream.cuda_stream
@@ -331,6 +344,7 @@ def _gemm_cost(
             copy_gbps = reps * n * page * layers / (c0.elapsed_time(c1) / 1e3) / 1e9
             row = {
                 "kind": "gemm",
+                "pinning": pages.host.pinning,
                 "direction": d,
                 "page_bytes": page * layers,
                 "piece_bytes": page,
@@ -367,7 +381,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.gemm_sizes:
         _gemm_cost(args, torch, dev, sms, pinned, rows)
     if args.pin_gib > 0:
-        row = _pin_rate(args.pin_gib)
+        row = _pin_rate(args.pin_gib, args.pin_method)
         rows.append(row)
         _emit(row, args.json)
     return rows

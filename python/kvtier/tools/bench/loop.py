@@ -5,7 +5,8 @@ layer-first pool (one tensor a layer) and a page-first one (one tensor, a block'
 each length in ``--tokens``: per repetition a fresh prompt is stored (``store``, the call alone: it hashes,
 plans and enqueues the copies, and returns), the copies are waited for and retired (``poll``), then the prompt
 is resumed under a new request id (``resume``: lookup, allocation, the loads enqueued). The time of each call is
-the host's; the copies themselves run on kvtier's streams after it returns. Reported: median and maximum per call.
+the host's; the copies themselves run on kvtier's streams after it returns. Reported: median and maximum per call,
+and the CPU time the slowest call spent on its thread (``*_cpu_ms_of_max``).
 
 A layer-first pool's tensors are allocated one by one (``--layer-alloc separate``, as vLLM does) or as one tensor
 (``one``); ``layer_runs`` says how many runs of evenly spaced layer tensors kvtier found, and so how many copy-engine
@@ -99,12 +100,14 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     )
     table = np.arange(n_blocks, dtype=np.int32)
     times: dict[str, list[float]] = {"store": [], "poll": [], "resume": []}
+    cpu: dict[str, list[float]] = {"store": [], "poll": [], "resume": []}
     rng = np.random.default_rng(0)
 
     def timed(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = fn(*args, **kw)
         times[name].append(time.perf_counter() - t0)
+        cpu[name].append(time.thread_time() - c0)
         return out
 
     try:
@@ -121,7 +124,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
             if hit != blocks * a.block_size:
                 raise SystemExit(f"kvtier bench loop: expected a hit of {blocks * a.block_size} tokens, got {hit}")
             if rep == 0:
-                for v in times.values():
+                for v in (*times.values(), *cpu.values()):
                     v.clear()
         stats = cache.stats()
         runs = cache.layer_runs
@@ -132,6 +135,8 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     for name, v in times.items():
         row[name + "_ms_p50"] = round(statistics.median(v) * 1e3, 3)
         row[name + "_ms_max"] = round(max(v) * 1e3, 3)
+        # The slowest call's CPU time on its thread: well under its wall time, the thread was waiting off the CPU.
+        row[name + "_cpu_ms_of_max"] = round(cpu[name][v.index(max(v))] * 1e3, 3)
     row["page_bytes"] = a.layers * layer_bytes
     row["layer_alloc"] = a.layer_alloc if layout == "layer-first" else "one"
     row["layer_runs"] = len(runs)
