@@ -21,11 +21,11 @@ const char* kvtier_cuda_error_string(int code);
 int kvtier_cuda_host_register(void* ptr, size_t bytes);
 int kvtier_cuda_host_unregister(void* ptr);
 
-// Pinned host memory made by the driver (cuMemCreate on the host NUMA node nearest the current device), mapped
-// into one reserved range a step at a time, readable and writable by the CPU and every device. Copies may span the
-// steps, and making a step does not hold up other threads' launches (cudaHostRegister does, for its whole time).
-// kvtier_host_vmm_granularity gives the size steps must be multiples of, or cudaErrorNotSupported where the
-// driver or device has no host allocations of this kind.
+// Pinned host memory made by the driver (cuMemCreate on the host NUMA node nearest the device current at the first
+// of these calls), mapped into one reserved range a step at a time, readable and writable by the CPU and every
+// device. Copies may span the steps, and making a step does not hold up other threads' launches (cudaHostRegister
+// does, for its whole time). kvtier_host_vmm_granularity gives the size steps must be multiples of, or
+// cudaErrorNotSupported where the driver or device has no host allocations of this kind.
 int kvtier_host_vmm_granularity(size_t* granularity);
 int kvtier_host_vmm_reserve(size_t bytes, uint64_t* base);
 int kvtier_host_vmm_map(uint64_t at, size_t bytes);

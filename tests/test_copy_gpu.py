@@ -1,8 +1,12 @@
 """Page copies on a CUDA device: exact bytes with random data and ids on torch's current stream while another
-stream writes elsewhere in the pool, both layouts, states, batches larger than one launch, completion polling.
+stream writes elsewhere in the pool, both layouts, states, batches larger than one launch, completion polling, host
+memory made by the driver in a process that has not used CUDA yet.
 Run under compute-sanitizer (memcheck, racecheck) on the GPU machine."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -204,3 +208,23 @@ def test_round_trips_across_segment_shapes(layers: int, segment: int) -> None:
     for t in pool:
         assert (t[torch.from_numpy(untouched.astype(np.int64)).cuda()] == POISON).all()
     host.close()
+
+
+def test_driver_memory_before_anything_else_uses_cuda() -> None:
+    """A pool of the driver's memory in a process where nothing has used CUDA yet, grown on another thread (as a
+    cache's pinning thread grows it): the CPU reads back what it wrote, across a step boundary."""
+    code = """
+import threading
+from kvtier.copy import HostPool
+pool = HostPool(8, 3 << 20, step_bytes=1, pin_method="driver")  # steps of the driver's granularity, 2 MiB
+grow = threading.Thread(target=pool.grow_to, args=(8,))
+grow.start()
+grow.join()
+assert (pool.pinning, pool.usable_slots) == ("driver", 8), pool
+pool.write(7, bytes(range(256)) * 8192)  # slot 7 spans 21-24 MiB: a step boundary at 22 MiB
+assert pool.read(7)[: 2 << 20] == bytes(range(256)) * 8192
+pool.close()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
