@@ -2,7 +2,8 @@
 
 Needs SGLang (its storage interface, backend factory and host pools import on a CPU machine) and Mooncake. Starts a
 Mooncake master and holder on loopback, builds one real SGLang host pool (``MHATokenToKVPoolHost``, page-first, on
-the CPU) and four backends through SGLang's own factory on that master: SGLang's Mooncake backend
+the CPU; by default an 8B-class model's: pages of 64 tokens, 32 layers, 8 KV heads x 128, float16, 8 MiB a page)
+and four backends through SGLang's own factory on that master: SGLang's Mooncake backend
 (``--hicache-storage-backend mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) three ways:
 "trusted" (``l3_trusted_store`` and ``l3_zero_copy``: the mode SGLang's backend always runs in, a trusted network
 and the host pool registered; objects still verified, with xxh3-128 digests), "zero-copy" (``l3_zero_copy`` with a
@@ -221,13 +222,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from kvtier.tools.cli import at_least, parser
 
     ap = parser("kvtier bench sglang", __doc__)
-    ap.add_argument("--pages", type=at_least(1), default=64, help="pages a batch_set_v1 / batch_get_v1 call moves")
-    ap.add_argument("--page-size", type=at_least(1), default=16, help="tokens a page")
-    ap.add_argument("--layers", type=at_least(1), default=8, help="layers of the pool")
+    ap.add_argument("--pages", type=at_least(1), default=16, help="pages a batch_set_v1 / batch_get_v1 call moves")
+    ap.add_argument("--page-size", type=at_least(1), default=64, help="tokens a page")
+    ap.add_argument("--layers", type=at_least(1), default=32, help="layers of the pool")
     ap.add_argument("--heads", type=at_least(1), default=8, help="KV heads of the pool")
-    ap.add_argument("--head-dim", type=at_least(1), default=64, help="head dimension (float16)")
-    ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
-    ap.add_argument("--segment-mib", type=at_least(1), default=2048, help="the holder's segment")
+    ap.add_argument("--head-dim", type=at_least(1), default=128, help="head dimension (float16)")
+    ap.add_argument("--rounds", type=at_least(1), default=20, help="timed rounds")
+    ap.add_argument(
+        "--segment-mib",
+        type=at_least(1),
+        default=12288,
+        help="the holder's segment; nothing is removed during a run, which puts about 4 x (rounds + 1) x pages pages",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--shapes", action="store_true", help="the object shapes in plain Mooncake, no backend")
     ap.add_argument(
