@@ -97,7 +97,8 @@ pub struct HostPool {
     step_bytes: u64,
     pinning: Pinning,
     base: u64,
-    /// Bytes from the base that are backed (and pinned when `pin`): slots below backed / slot_bytes are usable.
+    /// Bytes from the base that are backed (and pinned, unless `Pinning::None`): slots below backed / slot_bytes are
+    /// usable.
     backed: AtomicU64,
     /// None once closed. Copies hold a read guard while they touch the memory; close takes the write lock.
     mem: RwLock<Option<Mapping>>,

@@ -128,7 +128,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
                     v.clear()
         stats = cache.stats()
         runs = cache.layer_runs
-        pin_step, pin_method = cache.settings.pin_step_bytes, cache.settings.pin_method
+        pin_step, pinning = cache.settings.pin_step_bytes, cache.host_pools[0].pinning
     finally:
         cache.close()
     row: dict[str, Any] = {"layout": layout, "tokens": tokens, "method": method, "reps": a.reps}
@@ -141,7 +141,7 @@ def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     row["layer_alloc"] = a.layer_alloc if layout == "layer-first" else "one"
     row["layer_runs"] = len(runs)
     row["pin_step_bytes"] = pin_step
-    row["pin_method"] = pin_method
+    row["pinning"] = pinning
     row["errors"] = stats["errors"]
     return row
 

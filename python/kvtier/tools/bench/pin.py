@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {
         "host_gib": a.host_gib,
         "pin_step_mib": a.pin_step_mib,
-        "pin_method": inner.settings.pin_method,
+        "pinning": inner.host_pools[0].pinning,
         "pinned": t_pinned is not None,
         "pin_seconds": pin_s,
         "pin_gib_per_s": s["host_bytes_pinned"] / (1 << 30) / pin_s if t_pinned else None,
