@@ -186,39 +186,30 @@ int main(int argc, char** argv) {  // argv[1]: GiB made in each step size (defau
   CK(cudaMemcpyAsync(h + 600 * M, d, n, cudaMemcpyDeviceToHost, s));
   CK(cudaStreamSynchronize(s));
   printf("1D round trip across chunks exact: %d\n", memcmp(h + off, h + 600 * M, n) == 0);
-  for (int dir = 0; dir < 2; ++dir) {
-    for (int r = 0; r < 3; ++r) {
-      CK(cudaEventRecord(e0, s));
-      if (dir == 0)
-        CK(cudaMemcpyAsync(d, h, G, cudaMemcpyHostToDevice, s));
-      else
-        CK(cudaMemcpyAsync(h, d, G, cudaMemcpyDeviceToHost, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      printf("%s 1 GiB vmm host: %.2f ms = %.1f GB/s\n", dir == 0 ? "h2d" : "d2h", ms, G / ms / 1e6);
+  // 1 GiB each way, `reps` times, between the device buffer and `host`.
+  auto rates = [&](char* host, const char* name, int reps) {
+    for (int dir = 0; dir < 2; ++dir) {
+      for (int k = 0; k < reps; ++k) {
+        CK(cudaEventRecord(e0, s));
+        if (dir == 0)
+          CK(cudaMemcpyAsync(d, host, G, cudaMemcpyHostToDevice, s));
+        else
+          CK(cudaMemcpyAsync(host, d, G, cudaMemcpyDeviceToHost, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        printf("%s 1 GiB %s host: %.2f ms = %.1f GB/s\n", dir == 0 ? "h2d" : "d2h", name, ms, G / ms / 1e6);
+      }
     }
-  }
+  };
+  rates(h, "vmm", 3);
   // Same with a cudaHostRegister'd 1 GiB as the baseline.
   char* r = static_cast<char*>(mmap(nullptr, G, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   madvise(r, G, MADV_HUGEPAGE);
   memset(r, 1, G);
   CK(cudaHostRegister(r, G, cudaHostRegisterDefault));
-  for (int dir = 0; dir < 2; ++dir) {
-    for (int k = 0; k < 2; ++k) {
-      CK(cudaEventRecord(e0, s));
-      if (dir == 0)
-        CK(cudaMemcpyAsync(d, r, G, cudaMemcpyHostToDevice, s));
-      else
-        CK(cudaMemcpyAsync(r, d, G, cudaMemcpyDeviceToHost, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      printf("%s 1 GiB registered host: %.2f ms = %.1f GB/s\n", dir == 0 ? "h2d" : "d2h", ms, G / ms / 1e6);
-    }
-  }
+  rates(r, "registered", 2);
   // 2D copy across chunks: 32 rows of 256 KiB, host pitch 8 MiB (rows in different chunks), device pitch 256 KiB.
   CK(cudaMemcpy2DAsync(d, 256 * 1024, h + 3 * M + 77, 8 * M, 256 * 1024, 32, cudaMemcpyHostToDevice, s));
   CK(cudaMemcpy2DAsync(h + 700 * M, 256 * 1024, d, 256 * 1024, 256 * 1024, 32, cudaMemcpyDeviceToHost, s));
