@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +19,8 @@ from conftest import needs_mooncake
 
 needs_mooncake()
 
-from kvtier.l3.server import LocalMooncake, free_port  # noqa: E402
+import kvtier.l3.server as server_module  # noqa: E402
+from kvtier.l3.server import LocalMooncake, MooncakeServerError, free_port, free_ports, port_open  # noqa: E402
 from kvtier.l3.store import (  # noqa: E402
     INVALID_PARAMS,
     LEASE_EXPIRED,
@@ -143,6 +145,39 @@ def test_no_master_is_known_from_its_closed_port(timed: bool) -> None:
         MooncakeStore(StoreConfig(f"127.0.0.1:{free_port()}"))
     if timed:
         assert time.monotonic() - t0 < 2.0
+
+
+def test_a_port_is_open_only_while_a_server_listens_on_it() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    assert port_open("127.0.0.1", port)
+    assert port_open("localhost", port)
+    listener.close()
+    assert not port_open("127.0.0.1", port)
+    assert len(set(free_ports(8))) == 8
+
+
+def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process may bind a port between its pick and the master's bind: the master exits, and the start
+    goes on with new ports."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    picks = [[taken.getsockname()[1], free_port()]]
+    real = server_module.free_ports
+    monkeypatch.setattr(server_module, "free_ports", lambda n, host: picks.pop() if picks else real(n, host))
+    with taken, LocalMooncake(segment_bytes=16 << 20) as server:
+        assert not picks and server.master_port != taken.getsockname()[1]
+        assert server.master_running() and server.holder_running()
+        assert port_open("127.0.0.1", server.master_port)
+
+
+def test_a_master_that_cannot_start_is_reported_with_its_log_and_leaves_nothing_running() -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    server = LocalMooncake(segment_bytes=16 << 20, master_args=(f"--rpc_port={taken.getsockname()[1]}",))
+    with taken, pytest.raises(MooncakeServerError, match="did not start in 3 attempts") as e:
+        server.start()
+    assert "mooncake_master exited with code" in str(e.value)
+    assert "Master service started" in str(e.value)  # the master's own log
+    assert server.pids() == [] and server.log_dir is None
 
 
 def test_two_processes_exchange_exact_bytes(

@@ -7,11 +7,13 @@ them (an engine then contributes 0 bytes of its own).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -23,6 +25,8 @@ from typing import IO
 
 LOOPBACK = "127.0.0.1"
 
+# Starts tried, each on new ports, before LocalMooncake.start gives up.
+_START_ATTEMPTS = 3
 # How much of a process's log goes into an error message.
 _LOG_TAIL_BYTES = 4000
 _PR_SET_PDEATHSIG = 1
@@ -34,18 +38,50 @@ class MooncakeServerError(RuntimeError):
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port on `host` that nothing listens on right now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` different TCP ports on `host` that nothing listens on right now (each socket is held until all are
+    picked, so the kernel cannot hand out one port twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """True when a TCP connection to host:port is accepted within `timeout_s`."""
+    """True when a server accepts a TCP connection to host:port within `timeout_s`.
+
+    While nothing listens on a port of the ephemeral range, a connect to it from the same address can meet itself
+    (TCP simultaneous open, the kernel having picked the target port as the source port). That is no server, and
+    the connection's TIME_WAIT then keeps the server from binding the port (Mooncake's master exits). So a loopback
+    target is probed from another loopback address, where this cannot happen, and a connection to itself counts as
+    closed and is reset, leaving no TIME_WAIT behind.
+    """
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return False
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(timeout_s)
+            ip = str(addr[0])
+            if family == socket.AF_INET and ip.startswith("127."):
+                with contextlib.suppress(OSError):  # a sandbox may allow 127.0.0.1 only: the check below still holds
+                    s.bind(("127.0.0.2" if ip != "127.0.0.2" else "127.0.0.3", 0))
+            try:
+                s.connect(addr)
+            except OSError:
+                continue
+            if s.getsockname() != s.getpeername():
+                return True
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return False
 
 
 # Looked up here, not in the child: after fork only the forking thread exists, and dlopen's lock may be held by a
@@ -98,21 +134,24 @@ class _Process:
     def running(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_port(self, port: int, timeout_s: float) -> None:
-        """Block until `port` on loopback accepts connections; raise with the log tail if it does not."""
+    def wait_port(self, port: int, timeout_s: float, needs: _Process | None = None) -> None:
+        """Block until `port` on loopback accepts connections; raise with the log tail if it does not, or if
+        `needs` (the process this one connects to) exits first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.running():
-                raise MooncakeServerError(
-                    f"{self.name} exited with code {self.proc.returncode} before listening on "
-                    f"{LOOPBACK}:{port}; command: {' '.join(self.argv)}\n{_log_tail(self.log_path)}"
-                )
+            for proc in (self, needs):
+                if proc is not None and not proc.running():
+                    raise MooncakeServerError(
+                        f"{proc.name} exited with code {proc.proc.returncode} before {self.name} listened on "
+                        f"{LOOPBACK}:{port}; command: {' '.join(proc.argv)}\n{_log_tail(proc.log_path)}"
+                    )
             if port_open(LOOPBACK, port):
                 return
             time.sleep(0.05)
+        logs = "".join(f"\n--- {p.name}:\n{_log_tail(p.log_path)}" for p in (self, needs) if p is not None)
         raise MooncakeServerError(
             f"{self.name} did not listen on {LOOPBACK}:{port} within {timeout_s} s; "
-            f"command: {' '.join(self.argv)}\n{_log_tail(self.log_path)}"
+            f"command: {' '.join(self.argv)}{logs}"
         )
 
     def stop(self, timeout_s: float) -> None:
@@ -233,7 +272,9 @@ class LocalMooncake:
 
     def start(self) -> LocalMooncake:
         """Start the master, wait for its RPC port, then the holder and wait for its port (bounded by
-        start_timeout_s each). Raises MooncakeServerError with the process's log on failure."""
+        start_timeout_s each). A port picked free can be taken before the process binds it, so a start that fails
+        is tried again on new ports, up to _START_ATTEMPTS times. Raises MooncakeServerError with the processes'
+        logs when no attempt succeeds."""
         with self._lock:
             if self._master is not None:
                 raise MooncakeServerError("LocalMooncake is already started")
@@ -243,16 +284,28 @@ class LocalMooncake:
             self._children = []
             self._finalizer = weakref.finalize(self, _stop_all, self._children, self._log_dir, self.stop_timeout_s)
             _STARTED.add(self)
+            failures: list[str] = []
             try:
-                self.master_port = free_port()
-                self.metrics_port = free_port()
-                self._start_master()
-                if self.segment_bytes > 0:
-                    self._start_holder()
+                while True:
+                    self.master_port, self.metrics_port = free_ports(2, LOOPBACK)
+                    try:
+                        self._start_master()
+                        if self.segment_bytes > 0:
+                            self._start_holder()
+                        return self
+                    except MooncakeServerError as e:
+                        failures.append(str(e))
+                        if len(failures) == _START_ATTEMPTS:
+                            raise MooncakeServerError(
+                                f"Mooncake did not start in {_START_ATTEMPTS} attempts; the last: {e}"
+                            ) from e
+                        for proc in reversed(self._children):
+                            proc.stop(self.stop_timeout_s)
+                        self._children.clear()
+                        self._holder = None
             except BaseException:
                 self._stop_locked()
                 raise
-            return self
 
     def stop(self) -> None:
         """Stop the holder and the master (SIGTERM, SIGKILL after stop_timeout_s) and remove the logs. Idempotent."""
@@ -310,7 +363,7 @@ class LocalMooncake:
         self._holder = _Process("mooncake_client (holder)", argv, self._log_dir / "holder.log", self.die_with_parent)
         self._children.append(self._holder)
         # The holder listens only after its segment is mounted at the master.
-        self._holder.wait_port(self.holder_port, self.start_timeout_s)
+        self._holder.wait_port(self.holder_port, self.start_timeout_s, needs=self._master)
 
     def _stop_locked(self) -> None:
         self._holder = None
