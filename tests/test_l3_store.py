@@ -157,7 +157,9 @@ def test_a_port_is_open_only_while_a_server_listens_on_it() -> None:
     assert len(set(free_ports(8))) == 8
 
 
-def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Another process may bind a port between its pick and the master's bind: the master exits, and the start
     goes on with new ports."""
     taken = socket.create_server(("127.0.0.1", 0))
@@ -168,6 +170,7 @@ def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(monkeypatch: p
         assert not picks and server.master_port != taken.getsockname()[1]
         assert server.master_running() and server.holder_running()
         assert port_open("127.0.0.1", server.master_port)
+    assert "Mooncake did not start (attempt 1 of 3), trying new ports: mooncake_master exited" in caplog.text
 
 
 def test_a_master_that_cannot_start_is_reported_with_its_log_and_leaves_nothing_running() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,8 @@ from types import TracebackType
 from typing import IO
 
 LOOPBACK = "127.0.0.1"
+
+log = logging.getLogger("kvtier.l3")
 
 # Starts tried, each on new ports, before LocalMooncake.start gives up.
 _START_ATTEMPTS = 3
@@ -284,9 +287,10 @@ class LocalMooncake:
             self._children = []
             self._finalizer = weakref.finalize(self, _stop_all, self._children, self._log_dir, self.stop_timeout_s)
             _STARTED.add(self)
-            failures: list[str] = []
+            attempt = 0
             try:
                 while True:
+                    attempt += 1
                     self.master_port, self.metrics_port = free_ports(2, LOOPBACK)
                     try:
                         self._start_master()
@@ -294,11 +298,16 @@ class LocalMooncake:
                             self._start_holder()
                         return self
                     except MooncakeServerError as e:
-                        failures.append(str(e))
-                        if len(failures) == _START_ATTEMPTS:
+                        if attempt == _START_ATTEMPTS:
                             raise MooncakeServerError(
-                                f"Mooncake did not start in {_START_ATTEMPTS} attempts; the last: {e}"
+                                f"Mooncake did not start in {attempt} attempts; the last: {e}"
                             ) from e
+                        log.warning(
+                            "Mooncake did not start (attempt %d of %d), trying new ports: %s",
+                            attempt,
+                            _START_ATTEMPTS,
+                            e,
+                        )
                         for proc in reversed(self._children):
                             proc.stop(self.stop_timeout_s)
                         self._children.clear()
