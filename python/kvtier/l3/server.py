@@ -28,6 +28,8 @@ LOOPBACK = "127.0.0.1"
 
 log = logging.getLogger("kvtier.l3")
 
+# The smallest segment a Mooncake client mounts.
+MIN_SEGMENT_BYTES = 16 << 20
 # Starts tried, each on new ports, before LocalMooncake.start gives up.
 _START_ATTEMPTS = 3
 # How much of a process's log goes into an error message.
@@ -183,7 +185,7 @@ class LocalMooncake:
     SIGKILL after `stop_timeout_s`, so no process is left behind when a test fails. With `die_with_parent` the
     kernel also kills both when the thread that started them exits (start them from a long-lived thread).
 
-    segment_bytes: size of the holder's segment; 0 starts no holder.
+    segment_bytes: size of the holder's segment (at least MIN_SEGMENT_BYTES, 16 MiB); 0 starts no holder.
     lease_ttl_ms: the master's read lease of an object after exists() or get() (leased objects are not evicted).
     client_ttl_s: seconds the master keeps a silent client's segments mounted.
     """
@@ -201,8 +203,11 @@ class LocalMooncake:
         die_with_parent: bool = True,
         master_args: tuple[str, ...] = (),
     ) -> None:
-        if segment_bytes < 0:
-            raise ValueError(f"segment_bytes must be >= 0, got {segment_bytes}")
+        if segment_bytes != 0 and segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"segment_bytes must be 0 (no holder) or at least {MIN_SEGMENT_BYTES} (Mooncake's smallest segment), "
+                f"got {segment_bytes}"
+            )
         if lease_ttl_ms <= 0:
             raise ValueError(f"lease_ttl_ms must be > 0, got {lease_ttl_ms}")
         if client_ttl_s <= 0:
@@ -310,6 +315,7 @@ class LocalMooncake:
                         )
                         for proc in reversed(self._children):
                             proc.stop(self.stop_timeout_s)
+                            proc.log_path.unlink(missing_ok=True)  # told above; the next attempt's log starts empty
                         self._children.clear()
                         self._holder = None
             except BaseException:
@@ -406,4 +412,4 @@ def _stop_all(procs: list[_Process], log_dir: Path, timeout_s: float) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-__all__ = ["LOOPBACK", "LocalMooncake", "MooncakeServerError", "free_port", "port_open"]
+__all__ = ["LOOPBACK", "MIN_SEGMENT_BYTES", "LocalMooncake", "MooncakeServerError", "free_port", "port_open"]

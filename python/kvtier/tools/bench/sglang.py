@@ -2,19 +2,20 @@
 
 Needs SGLang (its storage interface, backend factory and host pools import on a CPU machine) and Mooncake. Starts a
 Mooncake master and holder on loopback, builds one real SGLang host pool (``MHATokenToKVPoolHost``, page-first, on
-the CPU; by default an 8B-class model's: pages of 64 tokens, 32 layers, 8 KV heads x 128, float16, 8 MiB a page)
-and four backends through SGLang's own factory on that master: SGLang's Mooncake backend
-(``--hicache-storage-backend mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) three ways:
-"trusted" (``l3_trusted_store`` and ``l3_zero_copy``: the mode SGLang's backend always runs in, a trusted network
-and the host pool registered; objects still verified, with xxh3-128 digests), "zero-copy" (``l3_zero_copy`` with a
-``hash_key``: keyed BLAKE3 digests nobody without the key can forge) and "staged" (kvtier's default with a
-``hash_key``: only its staging buffers registered). Each round, every backend in turn stores ``--pages`` fresh pages
-with ``batch_set_v1`` (the same host pages, keys of its own) and reads them back into other host pages with
-``batch_get_v1``; the bytes read are compared with those written. The calls come from one I/O thread, as SGLang's
-cache controller makes them (its backup and prefetch threads, never the scheduler's own); ``--main-thread`` makes
-them from the main thread instead. The backends take turns going first, round by round. Throughput is page bytes
-per second (GB/s, 1e9 bytes/s; kvtier's 80-byte headers not counted), medians over the rounds.
-Run: ``kvtier bench sglang [--json]``.
+the CPU; by default an 8B-class model's: pages of 64 tokens, 32 layers, 8 KV heads x 128, float16, 8 MiB a page) and
+five backends through SGLang's own factory on that master: SGLang's Mooncake backend (``--hicache-storage-backend
+mooncake``), and kvtier's (``dynamic`` with ``kvtier.sglang.KvtierStore``) four ways: "trusted"
+(``l3_trusted_store`` and ``l3_zero_copy``: the mode SGLang's backend always runs in, a trusted network and the host
+pool registered; objects still verified, with xxh3-128 digests), "zero-copy" (``l3_zero_copy`` with a ``hash_key``:
+keyed BLAKE3 digests nobody without the key can forge), "staged" (kvtier's default with a ``hash_key``: only its
+staging buffers registered) and "trusted staged" (``l3_trusted_store`` alone: each object gathered into a staging
+buffer and put as one piece, what the staging copy costs or saves against zero-copy). Each round, every backend in
+turn stores ``--pages`` fresh pages with ``batch_set_v1`` (the same host pages, keys of its own) and reads them back
+into other host pages with ``batch_get_v1``; the bytes read are compared with those written. The calls come from one
+I/O thread, as SGLang's cache controller makes them (its backup and prefetch threads, never the scheduler's own);
+``--main-thread`` makes them from the main thread instead. The backends take turns going first, round by round.
+Throughput is page bytes per second (GB/s, 1e9 bytes/s; kvtier's 80-byte headers not counted), medians over the
+rounds. Run: ``kvtier bench sglang [--json]``.
 
 ``--shapes``: no backend, only a plain Mooncake client on the same kind of master and the same kind of host pool,
 putting ``--pages`` pages and getting them into other pages (headers in a buffer of their own) in the shape of each
@@ -132,6 +133,19 @@ def sglang_mooncake_config(master_addr: str) -> dict[str, Any]:
     }
 
 
+def backend_configs(master_addr: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The benchmark's backends on the master at ``master_addr``: name -> (SGLang's backend name, extra config)."""
+    kvtier = {**KVTIER_BACKEND, "interface_v1": 1, "model_version": "bench", "l3_master": master_addr}
+    keyed = {**kvtier, "hash_key": "kvtier bench"}
+    return {
+        "sglang mooncake": ("mooncake", sglang_mooncake_config(master_addr)),
+        "kvtier trusted": ("dynamic", {**kvtier, "l3_trusted_store": True, "l3_zero_copy": True}),
+        "kvtier zero-copy": ("dynamic", {**keyed, "l3_zero_copy": True}),
+        "kvtier staged": ("dynamic", keyed),
+        "kvtier trusted staged": ("dynamic", {**kvtier, "l3_trusted_store": True}),
+    }
+
+
 def build(backend: str, extra_config: dict[str, Any], pool: Any, **ranks: Any) -> Any:
     """A backend built by SGLang's own factory, as its cache controller builds it, with the host pool registered.
     ``backend``: ``"dynamic"`` (the extra config names the class) or a built-in name such as ``"mooncake"``."""
@@ -231,8 +245,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--segment-mib",
         type=at_least(1),
-        default=12288,
-        help="the holder's segment; nothing is removed during a run, which puts about 4 x (rounds + 1) x pages pages",
+        default=None,
+        help="the holder's segment (default: what the run puts, nothing being removed during a run, with a fifth to "
+        "spare; a smaller one is refused)",
     )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--shapes", action="store_true", help="the object shapes in plain Mooncake, no backend")
@@ -240,6 +255,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--main-thread", action="store_true", help="call the backends from the main thread, not from an I/O thread"
     )
     return ap.parse_args(argv)
+
+
+def segment_mib(a: argparse.Namespace, page_bytes: int, copies: int) -> int:
+    """The holder's segment of a run: every round (and the warm-up) puts each page ``copies`` times, once a
+    backend or object shape, and nothing is removed; Mooncake needs room beyond the bytes it holds. Raises
+    ValueError when ``--segment-mib`` is too small for that."""
+    from kvtier._core import L3_HEADER_BYTES
+    from kvtier.l3.server import MIN_SEGMENT_BYTES
+
+    puts = copies * (a.rounds + 1) * a.pages * (page_bytes + L3_HEADER_BYTES)
+    need = max(-(-puts * 5 // (4 << 20)), MIN_SEGMENT_BYTES >> 20)  # a quarter on top of what is put, in MiB
+    if a.segment_mib is None:
+        return need
+    if a.segment_mib < need:
+        raise ValueError(
+            f"--segment-mib {a.segment_mib} is too small: this run puts {puts >> 20} MiB, which needs {need} MiB"
+        )
+    return int(a.segment_mib)
 
 
 def _round(storage: Any, keys: list[str], src: Any, dst: Any) -> tuple[float, float, bool]:
@@ -264,24 +297,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
         return 2
+    page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
     if a.shapes:
-        return _print_shapes(a, pool)
+        return _print_shapes(a, pool, page_bytes)
     tokens = a.pages * a.page_size
     src, dst = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
-    page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
-    kvtier = {**KVTIER_BACKEND, "interface_v1": 1, "model_version": "bench", "hash_key": "kvtier bench"}
+    try:
+        segment = segment_mib(a, page_bytes, len(backend_configs("")))
+    except ValueError as e:
+        print(f"kvtier bench sglang: {e}", file=sys.stderr)
+        return 2
     results: dict[str, Any] = {}
     with (
-        LocalMooncake(segment_bytes=a.segment_mib << 20, lease_ttl_ms=10_000) as server,
+        LocalMooncake(segment_bytes=segment << 20, lease_ttl_ms=10_000) as server,
         ThreadPoolExecutor(1, thread_name_prefix="storage-io") as io,
     ):
-        at = {**kvtier, "l3_master": server.master_addr}
-        trusted = {k: v for k, v in at.items() if k != "hash_key"}
         backends = {
-            "sglang mooncake": build("mooncake", sglang_mooncake_config(server.master_addr), pool),
-            "kvtier trusted": build("dynamic", {**trusted, "l3_trusted_store": True, "l3_zero_copy": True}, pool),
-            "kvtier zero-copy": build("dynamic", {**at, "l3_zero_copy": True}, pool),
-            "kvtier staged": build("dynamic", at, pool),
+            name: build(kind, config, pool) for name, (kind, config) in backend_configs(server.master_addr).items()
         }
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
         order = list(backends.items())
@@ -330,15 +362,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{a.pages} pages of {page_bytes} bytes a call from {out['caller']}, medians of {a.rounds} rounds "
         "(GB/s; ratio to SGLang's):"
     )
-    print(f"{'backend':<18}{'batch_set_v1':>16}{'batch_get_v1':>16}")
+    print(f"{'backend':<22}{'batch_set_v1':>16}{'batch_get_v1':>16}")
     for name, r in results.items():
         cells = [f"{r[f'{op}_GBps']:.3f} ({r[f'{op}_vs_sglang']:.2f})" for op in ("batch_set_v1", "batch_get_v1")]
-        print(f"{name:<18}{cells[0]:>16}{cells[1]:>16}")
+        print(f"{name:<22}{cells[0]:>16}{cells[1]:>16}")
     return 0
 
 
-def _print_shapes(a: argparse.Namespace, pool: Any) -> int:
-    result = shapes(pool, a.pages, a.rounds, a.segment_mib << 20)
+def _print_shapes(a: argparse.Namespace, pool: Any, page_bytes: int) -> int:
+    try:
+        segment = segment_mib(a, page_bytes, 2)  # the two shapes
+    except ValueError as e:
+        print(f"kvtier bench sglang: {e}", file=sys.stderr)
+        return 2
+    result = shapes(pool, a.pages, a.rounds, segment << 20)
     base = result["sglang shape"]
     for r in result.values():
         r["put_vs_sglang"] = round(base["put_s"] / r["put_s"], 3)
