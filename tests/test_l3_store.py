@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -166,7 +167,7 @@ def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(
     picks = [[taken.getsockname()[1], free_port()]]
     real = server_module.free_ports
     monkeypatch.setattr(server_module, "free_ports", lambda n, host: picks.pop() if picks else real(n, host))
-    with taken, LocalMooncake(segment_bytes=16 << 20) as server:
+    with taken, caplog.at_level(logging.WARNING, "kvtier.l3"), LocalMooncake(segment_bytes=16 << 20) as server:
         assert not picks and server.master_port != taken.getsockname()[1]
         assert server.master_running() and server.holder_running()
         assert port_open("127.0.0.1", server.master_port)
