@@ -4,6 +4,7 @@ shows defaults; bad numbers fail in one line before any work; `kvtier info`."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -322,7 +323,9 @@ def test_every_option_has_help_and_the_description_is_whole_sentences(command, c
 
 
 def test_soak_says_what_bound_the_memory_growth_is_judged_against(capsys):
+    level = logging.getLogger("kvtier").level
     assert main(["soak", "--rounds", "1"]) == 0
+    assert logging.getLogger("kvtier").level == level, "the soak's quiet logging outlived it"
     line = capsys.readouterr().out.strip()
     assert "rss_bound_mib=96.0" in line and line.endswith("memory growth within its bound)"), line
     assert main(["soak", "--rounds", "1", "--json"]) == 0

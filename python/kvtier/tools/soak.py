@@ -284,15 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             import_mooncake()
         except ImportError as e:
             ap.error(f"--l3 needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
+    logger = logging.getLogger("kvtier")
+    level = logger.level
     if not a.verbose:
-        logging.getLogger("kvtier").setLevel(logging.ERROR)
-    if a.l3:
-        from kvtier.l3.server import LocalMooncake
+        logger.setLevel(logging.ERROR)  # the injected failures are expected: only the others are logged
+    try:
+        if a.l3:
+            from kvtier.l3.server import LocalMooncake
 
-        with LocalMooncake(segment_bytes=512 << 20) as server:
-            s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)
-    else:
-        s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds)
+            with LocalMooncake(segment_bytes=512 << 20) as server:
+                s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)
+        else:
+            s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds)
+    finally:
+        logger.setLevel(level)  # a caller in the same process keeps its logging
     print(json.dumps(s.to_json()) if a.json else s.line())
     return 0 if s.passed else 1
 
