@@ -298,15 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier bench sglang: needs SGLang and Mooncake ({e})", file=sys.stderr)
         return 2
     page_bytes = sum(pool.get_page_buffer_meta(torch.arange(a.page_size))[1])
-    if a.shapes:
-        return _print_shapes(a, pool, page_bytes)
-    tokens = a.pages * a.page_size
-    src, dst = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
     try:
-        segment = segment_mib(a, page_bytes, len(backend_configs("")))
+        segment = segment_mib(a, page_bytes, 2 if a.shapes else len(backend_configs("")))  # --shapes: two shapes
     except ValueError as e:
         print(f"kvtier bench sglang: {e}", file=sys.stderr)
         return 2
+    if a.shapes:
+        return _print_shapes(a, pool, segment)
+    tokens = a.pages * a.page_size
+    src, dst = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
     results: dict[str, Any] = {}
     with (
         LocalMooncake(segment_bytes=segment << 20, lease_ttl_ms=10_000) as server,
@@ -369,12 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_shapes(a: argparse.Namespace, pool: Any, page_bytes: int) -> int:
-    try:
-        segment = segment_mib(a, page_bytes, 2)  # the two shapes
-    except ValueError as e:
-        print(f"kvtier bench sglang: {e}", file=sys.stderr)
-        return 2
+def _print_shapes(a: argparse.Namespace, pool: Any, segment: int) -> int:
     result = shapes(pool, a.pages, a.rounds, segment << 20)
     base = result["sglang shape"]
     for r in result.values():
