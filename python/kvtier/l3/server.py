@@ -294,6 +294,9 @@ class LocalMooncake:
             _STARTED.add(self)
             attempt = 0
             try:
+                _find_binary("mooncake_master")  # a missing binary is not worth another attempt
+                if self.segment_bytes > 0:
+                    _find_binary("mooncake_client")
                 while True:
                     attempt += 1
                     self.master_port, self.metrics_port = free_ports(2, LOOPBACK)
