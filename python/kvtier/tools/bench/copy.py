@@ -49,6 +49,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from kvtier.settings import SETTINGS
     from kvtier.tools.cli import at_least, parser, plot_file
 
     ap = parser("kvtier bench copy", __doc__)
@@ -87,8 +88,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--gemm-iters", type=at_least(1), default=60, help="GEMMs a timed loop")
     ap.add_argument("--pin-gib", type=at_least(0, float), default=0.0, help="GiB of HostPool to back and pin (0: skip)")
+    pin_method = SETTINGS["pin_method"]
     ap.add_argument(
-        "--pin-method", choices=("auto", "driver", "register"), default="auto", help="how host pools are pinned"
+        "--pin-method", choices=pin_method.choices, default=pin_method.default, help="the host pools' pin_method"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     ap.add_argument("--plot", type=plot_file, metavar="FILE.png", help="draw GB/s against page size (needs matplotlib)")
