@@ -1,6 +1,6 @@
 """vLLM's offloading connector on kvtier: ``kvtier.vllm.KvtierSpec``.
 
-One line selects it (vLLM 0.33 or 0.34)::
+One line selects it (vLLM 0.25.1 through 0.34)::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "KvtierSpec", "spec_module_path": "kvtier.vllm",
@@ -25,14 +25,14 @@ The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings:
 ``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``, ``copy_streams``. Any bad value
 raises ``ValueError`` naming it when vLLM builds the spec.
 
-Supported vLLM: ``SUPPORTED_VLLM`` (0.33 and 0.34; 0.34 hands the worker device pointers instead of block ids,
-which the worker maps back to blocks of its KV tensors). Importing this module under any other vLLM raises
-ImportError naming the range; ``import kvtier`` never imports vLLM.
+Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
+constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
+``kvtier.vllm_release``; importing this module under any other vLLM raises ImportError naming the range.
+``import kvtier`` never imports vLLM.
 """
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,35 +40,30 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_VLLM = ">=0.33,<0.35"
-_SUPPORTED_MINORS = ((0, 33), (0, 34))
-
-
-def check_vllm_version(version: str) -> None:
-    """Raises ImportError unless ``version`` is a vLLM release this module supports (``SUPPORTED_VLLM``)."""
-    m = re.match(r"^\s*(\d+)\.(\d+)", str(version))
-    if m is None or (int(m.group(1)), int(m.group(2))) not in _SUPPORTED_MINORS:
-        raise ImportError(
-            f"kvtier.vllm supports vLLM {SUPPORTED_VLLM} (install kvtier[vllm]); this environment has vLLM "
-            f"{version!r}, whose offloading interface differs"
-        )
-
-
-import vllm  # noqa: E402
-
-check_vllm_version(getattr(vllm, "__version__", "unknown"))
-
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
-    OffloadingConnectorStats,
+# isort: off
+# The release check first (kvtier.vllm_release refuses a vLLM outside the range by name); the names imported from
+# vLLM after it are in every supported release.
+from kvtier.vllm_release import (
+    CPU_METRICS,
+    HAS_WRITE_READ_USAGE,
+    HOST_HIT_SOURCE,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    STORED_EVENT_NAMES_REQUEST,
+    SUPPORTED_VLLM,
+    CPUOffloadingInfo,
+    SpecLayout,
+    check_vllm_version,
+    offloading_event,
+    spec_layout,
 )
-from vllm.v1.kv_offload.base import (  # noqa: E402
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    ConfigInfoMapping,
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
-    Medium,
-    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingHistogramMetadata,
     OffloadingManager,
@@ -81,17 +76,12 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     RequestOffloadingContext,
     TransferResult,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import (  # noqa: E402
-    CPULoadStoreSpec,
-    CPUOffloadingInfo,
-    CPUOffloadingMetrics,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvtier._core import Index, IndexConfig  # noqa: E402
-from kvtier.settings import CacheSettings  # noqa: E402
-from kvtier.vllm_copy import ChunkCopier  # noqa: E402
+# isort: on
+from kvtier._core import Index, IndexConfig
+from kvtier.settings import CacheSettings
+from kvtier.vllm_copy import ChunkCopier
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -113,11 +103,8 @@ SETTING_KEYS = (
 )
 # Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
-# Index.key_state's answer for a key with no page on the host.
-_ABSENT = 0
-# vLLM 0.34's stored events name the request that stored the pages and promise a removal event for them, which its
-# event tracker uses to describe the pages and to keep their metadata until they leave; 0.33's carry neither.
-_STORED_EVENT_NAMES_REQUEST = "req_context" in OffloadingEvent.__dataclass_fields__
+# Index.key_state's answers for a key with no page on the host and one whose page is ready.
+_ABSENT, _READY = 0, 2
 # KV events kept between two drains when vLLM publishes events and event_buffer is not set.
 DEFAULT_EVENT_BUFFER = 1 << 16
 
@@ -160,7 +147,7 @@ class KvtierManager(OffloadingManager):
     (``stats()``).
     """
 
-    medium = Medium.CPU  # the medium of the events it reports
+    medium = MEDIUM_CPU  # the medium of the events it reports
 
     def __init__(
         self,
@@ -170,7 +157,7 @@ class KvtierManager(OffloadingManager):
         enable_events: bool = False,
         event_buffer: int = 0,
         tokens_per_slot: int = 16,
-        info: CPUOffloadingInfo | None = None,
+        info: Any = None,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
@@ -186,7 +173,7 @@ class KvtierManager(OffloadingManager):
             eviction_policy=eviction_policy,
             event_buffer=event_buffer if self.enable_events else 0,
         )
-        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._config_info: Mapping[str, Any] = info.as_config_info() if info is not None else {}
         # Slots each prepare_store asked for since the last get_stats (vLLM's allocation-size histogram).
         self._allocation_sizes: list[int] = []
         self._reset_state()
@@ -200,7 +187,7 @@ class KvtierManager(OffloadingManager):
         self._store_keys: dict[int, list[bytes]] = {}
         self._pending_store_keys = 0
         # Events taken from the index early, to keep them ahead of a failed store's release (``_settle_store``).
-        self._events: list[OffloadingEvent] = []
+        self._events: list[Any] = []
 
     # --- lookups and loads ---
 
@@ -208,8 +195,17 @@ class KvtierManager(OffloadingManager):
         # Replaced on each instance by the index's KeyAnswers.lookup (``_reset_state``); the same answer.
         return (_MISS, _HIT_PENDING, _HIT)[self.index.key_state(key)]
 
-    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        # vLLM 0.32 on asks where a hit comes from: kvtier's host pool.
+        return HOST_HIT_SOURCE
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        # vLLM up to 0.31 calls this for the blocks a request reuses: the ready pages count as a use, the first key
+        # the most recent (a store of keys all on the host holds them and releases them deepest first).
+        ready = [k for k in dict.fromkeys(keys) if self.index.key_state(k) == _READY]
+        plan = self.index.store_keys(ready) if ready else None
+        if plan is not None:
+            self.index.complete(plan[0])
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -269,15 +265,16 @@ class KvtierManager(OffloadingManager):
     def _settle_store(self, ticket: int, failed: bool, req_context: ReqContext) -> None:
         keys = self._store_keys.pop(ticket)
         # A store's own events are told apart from the index's earlier ones where they carry something of it.
-        own_events = self.enable_events and (failed or _STORED_EVENT_NAMES_REQUEST)
+        own_events = self.enable_events and (failed or STORED_EVENT_NAMES_REQUEST)
         if own_events:
             self._events.extend(self._index_events())
         if failed:
             self.index.abort(ticket)
-            if own_events:
-                # vLLM's event tracker keeps each pending key's metadata until an event releases it; a store that
-                # never completes is released without a public removal, as vLLM's CPU manager does.
-                self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True, metadata_only=True))
+            # vLLM's event tracker (0.33 on) keeps each pending key's metadata until an event releases it; a store
+            # that never completes is released without a public removal, as vLLM's CPU manager does.
+            release = offloading_event(keys, MEDIUM_CPU, True, metadata_only=True) if own_events else None
+            if release is not None:
+                self._events.append(release)
         else:
             self.index.complete(ticket)
             if own_events:
@@ -294,13 +291,13 @@ class KvtierManager(OffloadingManager):
         # kvtier keeps nothing a request for engine keys: its loads and stores settle by their completions.
         return
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
+    def take_events(self) -> Iterable[Any]:
         if not self.enable_events:
             return
         # The whole batch leaves at the first step, so a drain stopped early replays nothing.
         events, self._events = self._events + self._index_events(), []
         for event in events:
-            if event.metadata_only:
+            if getattr(event, "metadata_only", False):
                 # A key stored again since its failed store is owned by the new store: its metadata stays.
                 keys = [k for k in event.keys if self.index.key_state(k) == _ABSENT]
                 if not keys:
@@ -308,14 +305,14 @@ class KvtierManager(OffloadingManager):
                 event.keys = keys
             yield event
 
-    def _index_events(self) -> list[OffloadingEvent]:
+    def _index_events(self) -> list[Any]:
         return [
-            OffloadingEvent(
-                keys=[OffloadKey(bytes(k)) for k in event.keys],
-                medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
-                removed=event.removed,
-                # Every page stored on the host is announced again when it leaves.
-                removal_expected=_STORED_EVENT_NAMES_REQUEST and not event.removed,
+            offloading_event(
+                [OffloadKey(bytes(k)) for k in event.keys],
+                MEDIUM_CPU if event.medium == "CPU" else MEDIUM_STORAGE,
+                event.removed,
+                # Every page stored on the host is announced again when it leaves (0.34's stored events say so).
+                removal_expected=STORED_EVENT_NAMES_REQUEST and not event.removed,
             )
             for event in self.index.take_events()
         ]
@@ -334,15 +331,16 @@ class KvtierManager(OffloadingManager):
         usage = (used - evictable) / self.num_slots
         write_usage = self._pending_store_keys / self.num_slots
         stats = OffloadingConnectorStats()
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
-        for size in self._allocation_sizes:
-            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        stats.set_gauge(CPU_METRICS.CPU_CACHE_USAGE_PERC, usage)
+        if HAS_WRITE_READ_USAGE:
+            stats.set_gauge(CPU_METRICS.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+            stats.set_gauge(CPU_METRICS.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
+            for size in self._allocation_sizes:
+                stats.observe_histogram(CPU_METRICS.CPU_ALLOCATION_SIZE, size)
         self._allocation_sizes.clear()
         return stats
 
-    def config_info(self) -> Sequence[ConfigInfoMapping]:
+    def config_info(self) -> Sequence[Mapping[str, Any]]:
         return [self._config_info]
 
 
@@ -462,41 +460,47 @@ class KvtierSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+        definitions: dict[str, OffloadingMetricMetadata] = {
+            CPU_METRICS.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
                 documentation="Fraction of kvtier's host slots held by transfers in flight (0.0 idle, 1.0 full)."
             ),
-            CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+        }
+        if HAS_WRITE_READ_USAGE:
+            definitions[CPU_METRICS.CPU_CACHE_WRITE_USAGE_PERC] = OffloadingGaugeMetadata(
                 documentation="Fraction of kvtier's host slots held by stores in flight."
-            ),
-            CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+            )
+            definitions[CPU_METRICS.CPU_CACHE_READ_USAGE_PERC] = OffloadingGaugeMetadata(
                 documentation="Fraction of kvtier's host slots held by loads in flight."
-            ),
-            CPUOffloadingMetrics.CPU_ALLOCATION_SIZE: OffloadingHistogramMetadata(
+            )
+            definitions[CPU_METRICS.CPU_ALLOCATION_SIZE] = OffloadingHistogramMetadata(
                 documentation="Host slots each prepare_store asked for (refused calls included).",
                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144),
-            ),
-        }
+            )
+        return definitions
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return CPUOffloadingInfo.config_info_keys()
+        return CPUOffloadingInfo.config_info_keys() if CPUOffloadingInfo is not None else ()
 
-    def __init__(self, config: OffloadingConfig) -> None:
-        super().__init__(config)
-        if config.canonical_layout:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM builds the spec from an OffloadingConfig (0.26 on) or a VllmConfig and a KVCacheConfig (0.25):
+        # vLLM's base class takes either, and spec_layout reads what kvtier needs from what it kept.
+        super().__init__(*args, **kwargs)
+        self.layout: SpecLayout = spec_layout(self)
+        if self.layout.canonical_layout:
             raise ValueError(
                 "kvtier.vllm.KvtierSpec stores each rank's own bytes; the canonical layout "
                 "(canonical_layout=true in the extra config) is not supported"
             )
         self.settings = resolve_settings(self.extra_config)
-        world_size = config.parallel.world_size
-        per_block = config.worker_kv_bytes_per_block
+        world_size = self.layout.world_size
+        per_block = self.layout.worker_kv_bytes_per_block
         if per_block <= 0 or world_size <= 0:
             raise ValueError(
                 f"vLLM gave worker_kv_bytes_per_block={per_block} and world_size={world_size}: "
                 "kvtier sizes its host pool from both"
             )
+        self.blocks_per_chunk = self.layout.blocks_per_chunk
         # A chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
         self.kv_bytes_per_chunk = per_block * world_size * self.blocks_per_chunk
         self.num_chunks = int(self.settings.host_bytes) // self.kv_bytes_per_chunk
@@ -505,7 +509,11 @@ class KvtierSpec(OffloadingSpec):
                 f"host_bytes={self.settings.host_bytes} holds no chunk of {self.kv_bytes_per_chunk} bytes "
                 f"({per_block} bytes a block x {world_size} ranks x {self.blocks_per_chunk} blocks a chunk)"
             )
-        self.info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        self.info = (
+            CPUOffloadingInfo.from_config(self.config, self.num_chunks, self.kv_bytes_per_chunk)
+            if CPUOffloadingInfo is not None
+            else None
+        )
         self._manager: KvtierManager | None = None
         self._worker: KvtierWorker | None = None
 
@@ -517,7 +525,7 @@ class KvtierSpec(OffloadingSpec):
                 eviction_policy=s.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 event_buffer=s.event_buffer,
-                tokens_per_slot=max(self.tokens_per_block) * self.blocks_per_chunk if self.tokens_per_block else 16,
+                tokens_per_slot=self.layout.tokens_per_chunk,
                 info=self.info,
             )
         return self._manager

@@ -1,5 +1,4 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier bench {index,copy,overlap,l3,pin,trace,loop}`, `kvtier soak`,
-`kvtier info`.
+"""The `kvtier` command: `kvtier demo`, `kvtier bench <benchmark>` (BENCHMARKS), `kvtier soak`, `kvtier info`.
 
 Also the argument parsing every subcommand shares: `parser()` shows each option's default in `--help` and ends a
 bad option in one line and exit status 2; `at_least`, `at_most`, `between` and `plot_file` check arguments, and
@@ -32,6 +31,7 @@ BENCHMARKS = {
     "pin": "pin a large host pool while the engine serves; time every cache call (needs CUDA)",
     "trace": "token hit rate of each eviction policy on a request trace (Mooncake format), by pool size",
     "loop": "host time of each engine-loop call (store, poll, resume) at an 8B model's geometry (needs CUDA)",
+    "serve": "real vLLM serving a model: no offloading, vLLM's CPU offloading and kvtier (needs vLLM and CUDA)",
 }
 # Each command's module (its main(argv) runs it); `kvtier bench <name>` is kvtier.tools.bench.<name>.
 COMMANDS = {

@@ -4,7 +4,7 @@ Both managers run side by side in one process on the same keys (vLLM's OffloadKe
 4-byte group), with as many host slots as keys. Timed, each the median of the repeats: a lookup of every stored key
 (vLLM's scheduler calls lookup once a key), a prepare_store of as many new keys (evicting all the stored ones), its
 complete_store, the request's on_request_finished, and the store's two calls together (prepare+complete). kvtier's
-manager runs with each eviction policy. Needs vLLM 0.33 (kvtier[vllm]).
+manager runs with each eviction policy. Needs vLLM 0.25.1 through 0.34 (`pip install ".[vllm]"` from kvtier's source).
 
 With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,7 @@ def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
         side, policy = name.split("-")
         if side == "kvtier":
             return KvtierManager(keys, eviction_policy=policy)
-        return CPUOffloadingManager(num_chunks=keys, cache_policy=policy)
+        return CPUOffloadingManager(keys, cache_policy=policy)  # its capacity: num_blocks before 0.30, num_chunks
 
     def batch(base: int) -> list[Any]:
         return [make_offload_key(hashlib.sha256(str(base + i).encode()).digest(), 0) for i in range(keys)]
@@ -222,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        print("kvtier bench vllm needs vLLM 0.33 (pip install 'kvtier[vllm]')")
+        print("kvtier bench vllm: error: needs vLLM 0.25.1 through 0.34 (pip install '.[vllm]' from kvtier's source)",
+              file=sys.stderr)  # fmt: skip
         return 2
     result = run(args.keys, args.repeat)
     if args.json:
