@@ -35,12 +35,15 @@ from typing import Any
 
 CONFIGS = ("none", "native", "kvtier-lru", "kvtier-adaptive")
 WORKLOADS = ("prefix", "noreuse", "trace", "l3")
-# Llama shapes: an 8B model's (Llama-3.1-8B) and a 1B model's (Llama-3.2-1B), bf16.
+# Llama shapes, bf16: an 8B model's (Llama-3.1-8B), a 1B model's (Llama-3.2-1B) and that with half its layers
+# (the trace's default: a thousand requests of up to 16K tokens, four configurations, in one 10-minute call).
 MODELS = {
     "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 14336},
     "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 8192},
+    "1b-8l": {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 8192},
 }  # fmt: skip
 VOCAB = 128256
 NEW_TOKENS = 32  # a turn's new tokens after its prefix
@@ -397,14 +400,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefix,trace", help=f"comma-separated: {', '.join(WORKLOADS)}")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
     ap.add_argument("--model", choices=sorted(MODELS), default="8b", help="the model shape of prefix, noreuse, l3")
-    ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b", help="the model shape of the trace")
+    ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b-8l", help="the model shape of the trace")
     ap.add_argument("--lengths", default="4096x16,16384x4,32000x2", help="prefix workload: TOKENSxPROMPTS, ...")
     ap.add_argument("--noreuse", default="4096x32", help="the no-reuse workload's TOKENSxPROMPTS ('' skips it)")
     ap.add_argument("--repeats", type=at_least(1), default=3, help="no-reuse runs; the median is reported")
     ap.add_argument("--host-gib", type=positive(float), default=16.0, help="host bytes of every offloading tier")
-    ap.add_argument("--trace-host-gib", type=positive(float), default=4.0, help="host bytes for the trace")
+    ap.add_argument("--trace-host-gib", type=positive(float), default=8.0, help="host bytes for the trace")
     ap.add_argument("--trace", help="Mooncake-format trace for the trace workload")
-    ap.add_argument("--trace-requests", type=at_least(1), default=400, help="the trace's first requests replayed")
+    ap.add_argument("--trace-requests", type=at_least(1), default=1000, help="the trace's first requests replayed")
     ap.add_argument("--trace-max-tokens", type=at_least(BLOCK), default=16384, help="trace prompts cut here")
     ap.add_argument("--gpu-blocks", type=at_least(16), default=4096, help="vLLM's GPU KV blocks (16 tokens each)")
     ap.add_argument("--trace-gpu-blocks", type=at_least(16), default=2048, help="GPU KV blocks for the trace")

@@ -1,0 +1,128 @@
+"""`kvtier bench serve` (real vLLM on a GPU): what runs without a GPU. Its arguments are checked in one line before any
+engine starts; the trace's prompts keep the trace's prefix sharing; the outputs check fails loudly; each
+configuration gives vLLM the arguments it names."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from kvtier.tools.bench import serve
+from kvtier.tools.cli import main
+
+
+def test_help_shows_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "kvtier bench serve" in out and "(default: prefix,trace)" in " ".join(out.split())
+
+
+BAD = [
+    (["--workloads", "prefix,chat"], "--workloads: unknown workload 'chat'"),
+    (["--configs", "none,lmcache"], "--configs: unknown configuration 'lmcache'"),
+    (["--configs", "native", "--workloads", "prefix"], "the prefix workload needs 'none'"),
+    (["--workloads", "trace"], "--trace: the trace workload needs a trace file"),
+    (["--workloads", "prefix", "--lengths", "4096"], "--lengths: '4096' is not TOKENSxPROMPTS"),
+    (["--workloads", "prefix", "--lengths", "8x2"], "needs at least 16 tokens and one prompt"),
+    (["--workloads", "prefix", "--noreuse", "4096x0"], "needs at least 16 tokens and one prompt"),
+    (["--host-gib", "0"], "--host-gib: must be > 0"),
+    (["--repeats", "0"], "--repeats: must be >= 1"),
+    (["--plot", "x.txt"], "matplotlib writes no .txt files"),
+]
+
+
+@pytest.mark.parametrize("argv, text", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_fail_in_one_line_before_any_engine(
+    argv: list[str], text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert text in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--workloads", "prefix"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "needs vLLM and torch" in err and err.count("\n") == 1
+
+
+def test_trace_prompts_share_exactly_the_prefixes_the_trace_shares(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    records = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": [0, 5]},
+        {"timestamp": 2, "input_length": 1500, "output_length": 1, "hash_ids": [0, 1, 7]},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    a, b, c = serve.trace_prompts(str(trace), 3, max_tokens=1024)
+    assert (len(a), len(b), len(c)) == (1024, 700, 1024), "cut at max_tokens, else the request's length"
+
+    def common(x: list[int], y: list[int]) -> int:
+        return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+
+    assert common(a, b) == 512 and common(a, c) == 1024, "one shared hash id is 512 shared tokens"
+    assert all(1000 <= t < serve.VOCAB - 1000 for t in a + b + c)
+    assert serve.trace_prompts(str(trace), 1, max_tokens=4096) == [serve.trace_prompts(str(trace), 3, 4096)[0]]
+
+
+def test_outputs_that_differ_fail_loudly_naming_the_configuration() -> None:
+    same = [{"config": c, "workload": "prefix", "t": [[1, 2], [3]]} for c in ("none", "native")]
+    serve.check_identical(same, lambda r: r["t"])
+    other = [*same, {"config": "kvtier-lru", "workload": "prefix", "t": [[1, 2], [4]]}]
+    with pytest.raises(AssertionError, match="kvtier-lru"):
+        serve.check_identical(other, lambda r: r["t"])
+
+
+def test_the_model_folder_is_a_llama_config_of_the_shape_named(tmp_path: Path) -> None:
+    folder = serve.write_model(str(tmp_path / "m"), "8b", 40000)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 32
+    assert config["max_position_embeddings"] == 40000
+    # 32 layers x 8 KV heads x 128 dims x K and V x 2 bytes: an 8B model's 128 KiB a token.
+    assert serve.kv_bytes_per_token("8b") == 128 << 10
+
+
+ARGS = {
+    "model_dir": "/m",
+    "max_model_len": 8192,
+    "gpu_memory_utilization": 0.5,
+    "gpu_blocks": 4096,
+    "max_num_batched_tokens": 8192,
+    "host_gib": 16.0,
+    "l3_master": "127.0.0.1:50051",
+}
+
+
+def test_no_offloading_and_native_offloading_arguments() -> None:
+    none = serve.engine_kwargs("none", ARGS)
+    assert "kv_transfer_config" not in none and "kv_offloading_size" not in none
+    assert none["load_format"] == "dummy" and none["seed"] == 0 and none["enable_prefix_caching"]
+    native = serve.engine_kwargs("native", ARGS)
+    assert (native["kv_offloading_size"], native["kv_offloading_backend"]) == (16.0, "native")
+    with pytest.raises(ValueError, match="unknown configuration 'arc'"):
+        serve.engine_kwargs("arc", ARGS)
+
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (see .ci/vllm)")
+def test_kvtier_configurations_name_kvtiers_spec_and_the_same_host_bytes() -> None:
+    lru = serve.engine_kwargs("kvtier-lru", ARGS)["kv_transfer_config"]
+    extra = lru.kv_connector_extra_config
+    assert (lru.kv_connector, extra["spec_name"], extra["spec_module_path"]) == (
+        "OffloadingConnector",
+        "KvtierSpec",
+        "kvtier.vllm",
+    )
+    assert extra["cpu_bytes_to_use"] == 16 << 30 and extra["eviction_policy"] == "lru"
+    l3 = serve.engine_kwargs("kvtier-l3", ARGS)["kv_transfer_config"].kv_connector_extra_config
+    assert l3["spec_name"] == "TieringOffloadingSpec"
+    assert l3["secondary_tiers"][0]["type"] == "KvtierMooncakeTier"
+    assert l3["secondary_tiers"][0]["l3_master"] == "127.0.0.1:50051"
