@@ -11,11 +11,14 @@ What changed, release by release (``vllm/v1/kv_offload/`` and the offloading con
   (``spec_layout`` reads what kvtier needs from either); the CPU metrics gained the write/read usage gauges and
   the allocation-size histogram (``CPU_METRICS``).
 - 0.27: an event's medium became the ``Medium`` enum (a string before: ``MEDIUM_CPU``, ``MEDIUM_STORAGE``).
-- 0.28: ``OffloadingConfig.canonical_layout``.
+- 0.28: ``OffloadingConfig.canonical_layout``; a secondary tier's job became ``TransferJob`` (``JobMetadata``
+  before) and its result gained ``successful_keys`` and ``transfer_time`` (``job_result``).
 - 0.29: events gained ``removal_expected`` (``offloading_event`` passes only the fields a release has).
-- 0.32: the scheduler no longer calls ``touch()``; ``get_load_source`` and ``CacheHitSource`` arrive.
+- 0.30: a tier job's primary slots are ``chunk_ids`` (``block_ids`` before: ``job_chunk_ids``).
+- 0.32: the scheduler no longer calls ``touch()``; ``get_load_source`` and ``CacheHitSource`` arrive; a secondary
+  tier is built with a ``backpressure_detector`` (``TIER_BASE_PARAMETERS``).
 - 0.33: a failed store releases its keys' event metadata (``metadata_only`` events); the config-info metric
-  (``CPUOffloadingInfo``); secondary tiers' events and config info.
+  (``CPUOffloadingInfo``); a tier job's result carries ``transfer_bytes``.
 - 0.34: a stored event names its request and promises a removal event (``STORED_EVENT_NAMES_REQUEST``); the
   worker receives ``DevicePointers`` instead of ``GPULoadStoreSpec`` for the GPU side.
 """
@@ -23,6 +26,7 @@ What changed, release by release (``vllm/v1/kv_offload/`` and the offloading con
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +62,7 @@ check_vllm_version(VLLM_VERSION)
 
 from vllm.v1.kv_offload import base as _base  # noqa: E402
 from vllm.v1.kv_offload.cpu import common as _cpu_common  # noqa: E402
+from vllm.v1.kv_offload.tiering import base as _tiering  # noqa: E402
 
 _EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(_base.OffloadingEvent))
 
@@ -190,4 +195,25 @@ def _layout_025(spec: Any) -> SpecLayout:
         dcp_size=p.decode_context_parallel_size,
         canonical_layout=False,
         replicated_layout=False,
+    )
+
+
+# ---- secondary tiers (vLLM's tiering spec) ----------------------------------------------------------------------
+
+# The keyword arguments vLLM's SecondaryTierManager.__init__ takes (backpressure_detector from 0.32).
+TIER_BASE_PARAMETERS = frozenset(inspect.signature(_tiering.SecondaryTierManager.__init__).parameters) - {"self"}
+_RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(_tiering.JobResult))
+
+
+def job_chunk_ids(job: Any) -> Any:
+    """The primary tier's slots of a tier job: ``chunk_ids`` from 0.30, ``block_ids`` before."""
+    chunk_ids = getattr(job, "chunk_ids", None)
+    return job.block_ids if chunk_ids is None else chunk_ids
+
+
+def job_result(job_id: int, success: bool, **optional: Any) -> Any:
+    """vLLM's JobResult with the optional fields (``successful_keys``, ``transfer_time``, ``transfer_bytes``) this
+    release has; the others are left out."""
+    return _tiering.JobResult(
+        job_id=job_id, success=success, **{k: v for k, v in optional.items() if k in _RESULT_FIELDS}
     )
