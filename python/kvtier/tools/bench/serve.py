@@ -322,9 +322,14 @@ def _spawn(config: str, workload: str, args: dict[str, Any], log: str | None) ->
         if rc != 0:
             raise RuntimeError(f"configuration {config} ({workload}) failed with exit status {rc}; see {log}")
         with open(result_path) as f:
-            return dict(json.load(f))
+            result = dict(json.load(f))
     finally:
         os.unlink(result_path)
+    if log:
+        # Each configuration's figures as it ends, so a run stopped part way keeps what it measured.
+        with open(log, "a") as logf:
+            logf.write(f"==== result {json.dumps(result)}\n")
+    return result
 
 
 def check_identical(results: list[dict[str, Any]], pick: Any) -> None:
