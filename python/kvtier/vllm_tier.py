@@ -1,6 +1,6 @@
 """kvtier's verified Mooncake L3 as a secondary tier of vLLM's ``TieringOffloadingSpec``: ``KvtierMooncakeTier``.
 
-Selected (vLLM 0.33) by the tiering spec's extra config::
+Selected (vLLM 0.25.1 through 0.34) by the tiering spec's extra config::
 
     {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ..., "secondary_tiers": [
         {"type": "KvtierMooncakeTier", "module_path": "kvtier.vllm",
@@ -16,8 +16,11 @@ chunk's load fails.
 
 Non-blocking as the framework requires: ``submit_store`` / ``submit_load`` queue the job for one background
 thread, which stages objects through two registered buffers of its own (nothing of vLLM's memory is registered
-with Mooncake); ``get_finished_jobs`` returns what finished. ``lookup`` answers from what this tier stored or
-verified in this process (HIT) and MISS otherwise: objects other instances stored are not probed.
+with Mooncake); ``get_finished_jobs`` returns what finished. ``lookup`` answers HIT for what this tier stored or
+found in the Store; a key it has not seen is answered RETRY and asked of the Store (``batch_is_exist``, one call for
+every key a scheduler step asked about, on the background thread), so objects that another instance, or this
+one before a restart, stored are found a step later; a key the Store does not have is MISS until the request that
+asked finishes.
 What it stores and drops comes out of ``take_events`` with medium STORAGE.
 """
 
@@ -32,17 +35,21 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
-from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-)
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+# isort: off
+# The release check first; what differs between releases comes from kvtier.vllm_release.
+from kvtier.vllm_release import (
+    MEDIUM_STORAGE,
+    TIER_BASE_PARAMETERS,
+    job_chunk_ids,
+    job_result,
+    offloading_event,
+    spec_layout,
+)
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+# isort: on
 from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
 from kvtier.identity import Shard, layout_fields
 from kvtier.l3.errors import L3Error, L3Timeout
@@ -94,28 +101,27 @@ def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
 
 def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, str]:
     """The fingerprint fields of a vLLM CPU chunk: model, parallel layout, and the chunk's bytes and tokens."""
-    config = spec.config
-    p = config.parallel
-    shard = Shard(tp_rank=0, tp_size=p.tp_size, pp_rank=0, pp_size=p.pp_size, cp_rank=0, cp_size=p.pcp_size)
-    tokens = [g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups]
+    layout = spec_layout(spec)
+    shard = Shard(tp_rank=0, tp_size=layout.tp_size, pp_rank=0, pp_size=layout.pp_size, cp_rank=0,
+                  cp_size=layout.pcp_size)  # fmt: skip
     return layout_fields(
         page_bytes=row_bytes,
         state_bytes=0,
-        block_size=max(tokens) if tokens else 0,
+        block_size=layout.tokens_per_chunk if layout.groups else 0,
         layout="vllm.cpu_chunk_row",
         hash_kind="vllm.offload_key",
         key_id="vllm",
         shard=shard,
         model_fields={
             "name": "vllm",
-            "model": config.model.name,
-            "dtype": config.model.dtype,
-            "dcp_size": p.dcp_size,
-            "world_size": p.world_size,
-            "replicated_layout": bool(getattr(spec, "replicated_layout", False)),
-            "canonical_layout": bool(config.canonical_layout),
-            "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-            "groups": ",".join(f"{g.group_id}:{g.tokens_per_block}:{len(g.layer_names)}" for g in config.groups),
+            "model": layout.model_name,
+            "dtype": layout.model_dtype,
+            "dcp_size": layout.dcp_size,
+            "world_size": layout.world_size,
+            "replicated_layout": layout.replicated_layout,
+            "canonical_layout": layout.canonical_layout,
+            "worker_kv_bytes_per_block": layout.worker_kv_bytes_per_block,
+            "groups": ",".join(f"{g}:{tokens}:{layers}" for g, tokens, layers in layout.groups),
         },
         model_version=model_version,
     )
@@ -124,7 +130,7 @@ def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, s
 class KvtierMooncakeTier(SecondaryTierManager):
     """A secondary tier of vLLM's tiering spec on kvtier's verified Mooncake objects (see the module's text)."""
 
-    medium: ClassVar[Medium] = Medium.STORAGE
+    medium: ClassVar[Any] = MEDIUM_STORAGE
 
     def __init__(
         self,
@@ -136,12 +142,13 @@ class KvtierMooncakeTier(SecondaryTierManager):
         store_factory: Any = None,
         **config: Any,
     ) -> None:
-        super().__init__(
-            offloading_spec=offloading_spec,
-            primary_kv_view=primary_kv_view,
-            tier_type=tier_type,
-            backpressure_detector=backpressure_detector,
-        )
+        base = {
+            "offloading_spec": offloading_spec,
+            "primary_kv_view": primary_kv_view,
+            "tier_type": tier_type,
+            "backpressure_detector": backpressure_detector,
+        }
+        super().__init__(**{k: v for k, v in base.items() if k in TIER_BASE_PARAMETERS})
         self.settings = s = tier_settings(config)
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2 or rows.dtype.itemsize != 1:
@@ -168,14 +175,21 @@ class KvtierMooncakeTier(SecondaryTierManager):
             self.store.close()
             raise
         self._present: set[bytes] = set()
+        # What the Store said of keys this process had not stored: True (there), False (not there), None (asked);
+        # the keys each request asked about, forgotten when it finishes, and those to ask at the step's end.
+        self._probed: dict[bytes, bool | None] = {}
+        self._probe_requests: dict[str, set[bytes]] = {}
+        self._to_probe: list[bytes] = []
         self._lock = threading.Lock()
-        self._finished: deque[JobResult] = deque()
-        self._events: deque[OffloadingEvent] = deque()
+        self._finished: deque[Any] = deque()
+        self._events: deque[Any] = deque()
         # vLLM drains events only when it publishes them.
         events = getattr(offloading_spec, "kv_events_config", None)
         self._record_events = bool(getattr(events, "enable_kv_cache_events", False))
-        self._jobs: queue.Queue[tuple[bool, TransferJob] | None] = queue.Queue()
-        self.counters = dict.fromkeys(("put", "present", "loaded", "missing", "rejected", "failed"), 0)
+        self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self.counters = dict.fromkeys(
+            ("put", "present", "loaded", "missing", "rejected", "failed", "probed", "found"), 0
+        )
         self._thread = threading.Thread(target=self._serve, name="kvtier-vllm-tier", daemon=True)
         self._thread.start()
         log.info("KvtierMooncakeTier: fingerprint %s, %d bytes a chunk", self.fingerprint, self._row_bytes)
@@ -188,24 +202,48 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
-            return LookupResult.HIT if key in self._present else LookupResult.MISS
+            if key in self._present:
+                return LookupResult.HIT
+            asked = key in self._probed
+            state = self._probed.get(key)
+        self._probe_requests.setdefault(req_context.req_id, set()).add(key)
+        if state is False:
+            return LookupResult.MISS
+        if not asked:
+            with self._lock:
+                self._probed[key] = None
+            self._to_probe.append(key)
+        return LookupResult.RETRY
 
-    def submit_store(self, job_metadata: TransferJob) -> None:
+    def on_schedule_end(self, context: Any) -> None:
+        if self._to_probe:
+            self._jobs.put(("probe", self._to_probe))
+            self._to_probe = []
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        keys = self._probe_requests.pop(req_context.req_id, ())
+        with self._lock:
+            for key in keys:
+                # A key still being asked about stays until its answer; a later request asks again.
+                if self._probed.get(key) is not None:
+                    del self._probed[key]
+
+    def submit_store(self, job_metadata: Any) -> None:
         self._check_job(job_metadata)
-        self._jobs.put((True, job_metadata))
+        self._jobs.put(("store", job_metadata))
 
-    def submit_load(self, job_metadata: TransferJob) -> None:
+    def submit_load(self, job_metadata: Any) -> None:
         self._check_job(job_metadata)
-        self._jobs.put((False, job_metadata))
+        self._jobs.put(("load", job_metadata))
 
-    def _check_job(self, job: TransferJob) -> None:
-        chunks = np.asarray(job.chunk_ids)
+    def _check_job(self, job: Any) -> None:
+        chunks = np.asarray(job_chunk_ids(job))
         if len(job.keys) != len(chunks):
             raise ValueError(f"job {job.job_id}: {len(job.keys)} keys but {len(chunks)} chunk ids")
         if len(chunks) and (chunks.min() < 0 or chunks.max() >= self._num_chunks):
             raise ValueError(f"job {job.job_id}: chunk ids {chunks.tolist()} outside 0..{self._num_chunks - 1}")
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
+    def get_finished_jobs(self) -> Iterable[Any]:
         out = []
         while self._finished:
             out.append(self._finished.popleft())
@@ -214,7 +252,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return self._jobs.unfinished_tasks > 0 or bool(self._finished)
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
+    def take_events(self) -> Iterable[Any]:
         out = []
         while self._events:
             out.append(self._events.popleft())
@@ -226,7 +264,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         self._jobs.join()
 
-    def config_info(self) -> ConfigInfoMapping:
+    def config_info(self) -> Mapping[str, Any]:
         return {}
 
     def shutdown(self) -> None:
@@ -245,18 +283,39 @@ class KvtierMooncakeTier(SecondaryTierManager):
             try:
                 if item is None:
                     return
-                is_store, job = item
+                kind, job = item
+                if kind == "probe":
+                    self._probe(job)
+                    continue
                 t0 = time.perf_counter()
                 try:
-                    result = self._store(job) if is_store else self._load(job)
+                    result = self._store(job) if kind == "store" else self._load(job)
                 except Exception:  # a tier failure is a failed job, never an exception in vLLM's scheduler
                     log.exception("KvtierMooncakeTier: job %d failed", job.job_id)
                     self.counters["failed"] += 1
-                    result = JobResult(job_id=job.job_id, success=False)
-                result.transfer_time = time.perf_counter() - t0
-                self._finished.append(result)
+                    result = {"success": False}
+                self._finished.append(job_result(job.job_id, transfer_time=time.perf_counter() - t0, **result))
             finally:
                 self._jobs.task_done()
+
+    def _probe(self, keys: list[bytes]) -> None:
+        """Asks the Store which of ``keys`` it has; an error answers 'not there' (the request goes on without)."""
+        try:
+            codes = self.store.exists_many(self.store_keys(keys))
+        except Exception as e:  # noqa: BLE001 - a Store failure is a miss, never an exception in vLLM's scheduler
+            log.warning("KvtierMooncakeTier: asking the Store about %d keys failed: %s", len(keys), e)
+            codes = [0] * len(keys)
+        found = [code == 1 for code in codes]
+        self.counters["probed"] += len(keys)
+        self.counters["found"] += sum(found)
+        with self._lock:
+            for key, there in zip(keys, found, strict=True):
+                if there:
+                    # As good as stored here: HIT until a get finds it gone.
+                    self._present.add(key)
+                    self._probed.pop(key, None)
+                elif key in self._probed:
+                    self._probed[key] = False
 
     def _batches(self, n: int) -> Iterable[tuple[int, int]]:
         per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self.object_bytes))
@@ -273,9 +332,9 @@ class KvtierMooncakeTier(SecondaryTierManager):
             [[self.object_bytes] for _ in range(count)],
         )
 
-    def _store(self, job: TransferJob) -> JobResult:
+    def _store(self, job: Any) -> dict[str, Any]:
         keys = [bytes(k) for k in job.keys]
-        chunks = [int(c) for c in np.asarray(job.chunk_ids)]
+        chunks = [int(c) for c in np.asarray(job_chunk_ids(job))]
         fkeys = self._format.keys([k.hex() for k in keys])
         skeys = self._format.store_keys(fkeys)
         present = self.store.exists_many(skeys)
@@ -305,12 +364,12 @@ class KvtierMooncakeTier(SecondaryTierManager):
         with self._lock:
             self._present.update(stored)
         if stored and self._record_events:
-            self._events.append(OffloadingEvent(keys=stored, medium=Medium.STORAGE, removed=False))
-        return JobResult(job_id=job.job_id, success=all(ok), successful_keys=None, transfer_bytes=moved)
+            self._events.append(offloading_event(stored, MEDIUM_STORAGE, False))
+        return {"success": all(ok), "successful_keys": None, "transfer_bytes": moved}
 
-    def _load(self, job: TransferJob) -> JobResult:
+    def _load(self, job: Any) -> dict[str, Any]:
         keys = [bytes(k) for k in job.keys]
-        chunks = [int(c) for c in np.asarray(job.chunk_ids)]
+        chunks = [int(c) for c in np.asarray(job_chunk_ids(job))]
         fkeys = self._format.keys([k.hex() for k in keys])
         skeys = self._format.store_keys(fkeys)
         ok = [False] * len(keys)
@@ -354,11 +413,6 @@ class KvtierMooncakeTier(SecondaryTierManager):
             with self._lock:
                 self._present.difference_update(gone)
             if self._record_events:
-                self._events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True))
+                self._events.append(offloading_event(gone, MEDIUM_STORAGE, True))
         good = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
-        return JobResult(
-            job_id=job.job_id,
-            success=all(ok),
-            successful_keys=None if all(ok) else good,
-            transfer_bytes=moved,
-        )
+        return {"success": all(ok), "successful_keys": None if all(ok) else good, "transfer_bytes": moved}
