@@ -513,7 +513,7 @@ def run_l3(args: Any, common: dict[str, Any], lengths: list[tuple[int, int]], wo
     need = sum(n * c for n, c in lengths) * kv_bytes_per_token(args.model)
     with LocalMooncake(segment_bytes=int(need * 1.25) + (256 << 20)) as mc:
         a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
-             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib, "l3_master": mc.master}  # fmt: skip
+             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib, "l3_master": mc.master_addr}  # fmt: skip
         first = _spawn("kvtier-l3", "l3", {**a, "turns": "1"}, args.log)
         second = _spawn("kvtier-l3", "l3", {**a, "turns": "2"}, args.log)
     recompute = _spawn("none", "l3", {**a, "turns": "2"}, args.log)
