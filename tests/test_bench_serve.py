@@ -30,6 +30,9 @@ BAD = [
     (["--workloads", "prefix", "--lengths", "4096"], "--lengths: '4096' is not TOKENSxPROMPTS"),
     (["--workloads", "prefix", "--lengths", "8x2"], "needs at least 16 tokens and one prompt"),
     (["--workloads", "prefix", "--noreuse", "4096x0"], "needs at least 16 tokens and one prompt"),
+    (["--configs", "none:copy_method=kernel"], "only kvtier's configurations take kvtier settings"),
+    (["--configs", "none,kvtier-lru:kernel"], "'kernel' in 'kvtier-lru:kernel' is not SETTING=VALUE"),
+    (["--think-s", "-1"], "--think-s: must be >= 0"),
     (["--host-gib", "0"], "--host-gib: must be > 0"),
     (["--repeats", "0"], "--repeats: must be >= 1"),
     (["--plot", "x.txt"], "matplotlib writes no .txt files"),
@@ -123,6 +126,6 @@ def test_kvtier_configurations_name_kvtiers_spec_and_the_same_host_bytes() -> No
     )
     assert extra["cpu_bytes_to_use"] == 16 << 30 and extra["eviction_policy"] == "lru"
     l3 = serve.engine_kwargs("kvtier-l3", ARGS)["kv_transfer_config"].kv_connector_extra_config
-    assert l3["spec_name"] == "TieringOffloadingSpec"
+    assert (l3["spec_name"], l3["spec_module_path"]) == ("KvtierTieringSpec", "kvtier.vllm")
     assert l3["secondary_tiers"][0]["type"] == "KvtierMooncakeTier"
     assert l3["secondary_tiers"][0]["l3_master"] == "127.0.0.1:50051"

@@ -77,6 +77,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 # isort: on
 from kvtier._core import Index, IndexConfig
@@ -87,6 +89,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "KvtierManager",
     "KvtierSpec",
+    "KvtierTieringSpec",
     "KvtierWorker",
     "check_vllm_version",
     "resolve_settings",
@@ -542,6 +545,23 @@ class KvtierSpec(OffloadingSpec):
                 copy_streams=s.copy_streams,
             )
         return self._worker
+
+
+class KvtierTieringSpec(TieringOffloadingSpec):
+    """vLLM's own tiering spec (its CPU tier and the secondary tiers of ``secondary_tiers``), selected through this
+    module so that kvtier's Mooncake tier is registered with vLLM's tier factory first: vLLM before 0.28 builds a
+    tier from its registry only (``"type": "KvtierMooncakeTier"``; 0.28 on also reads a tier's ``module_path``).
+    ``{"spec_name": "KvtierTieringSpec", "spec_module_path": "kvtier.vllm", "secondary_tiers": [...]}``."""
+
+
+def _register_tier() -> None:
+    try:
+        SecondaryTierFactory.register_tier("KvtierMooncakeTier", "kvtier.vllm_tier", "KvtierMooncakeTier")
+    except ValueError:  # registered already (this module imported again)
+        pass
+
+
+_register_tier()
 
 
 def __getattr__(name: str) -> Any:

@@ -49,6 +49,7 @@ VOCAB = 128256
 NEW_TOKENS = 32  # a turn's new tokens after its prefix
 OUTPUT_TOKENS = 8
 BLOCK = 16  # vLLM's block size (tokens)
+CHILD_TIMEOUT_S = 600  # one configuration's process, engine start included
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -101,8 +102,24 @@ def parse_lengths(text: str) -> list[tuple[int, int]]:
 # ---- one configuration, in a process of its own ----------------------------------------------------------------
 
 
+def split_config(config: str) -> tuple[str, dict[str, str]]:
+    """'kvtier-lru:copy_method=kernel:copy_streams=false' -> ('kvtier-lru', {'copy_method': 'kernel', ...}): a
+    configuration and the kvtier settings its extra config adds."""
+    name, *parts = config.split(":")
+    settings = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--configs: {part!r} in {config!r} is not SETTING=VALUE")
+        settings[key.strip()] = value.strip()
+    if settings and not name.startswith("kvtier-"):
+        raise ValueError(f"--configs: {config!r}: only kvtier's configurations take kvtier settings")
+    return name, settings
+
+
 def engine_kwargs(config: str, args: dict[str, Any]) -> dict[str, Any]:
     """vLLM's LLM(...) arguments of a configuration."""
+    name, settings = split_config(config)
     kw: dict[str, Any] = {
         "model": args["model_dir"],
         "load_format": "dummy",
@@ -117,16 +134,16 @@ def engine_kwargs(config: str, args: dict[str, Any]) -> dict[str, Any]:
         "enable_prefix_caching": True,
     }
     host = int(args["host_gib"] * 2**30)
-    if config == "native":
+    if name == "native":
         kw["kv_offloading_size"] = args["host_gib"]
         kw["kv_offloading_backend"] = "native"
-    elif config.startswith("kvtier-"):
+    elif name.startswith("kvtier-"):
         from vllm.config import KVTransferConfig
 
-        extra: dict[str, Any] = {"spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": host}
-        if config == "kvtier-l3":
+        extra: dict[str, Any] = {"spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": host, **settings}
+        if name == "kvtier-l3":
             extra.update(
-                spec_name="TieringOffloadingSpec",
+                spec_name="KvtierTieringSpec",
                 secondary_tiers=[
                     {
                         "type": "KvtierMooncakeTier",
@@ -137,42 +154,72 @@ def engine_kwargs(config: str, args: dict[str, Any]) -> dict[str, Any]:
                     }
                 ],
             )
-            del extra["spec_module_path"]
         else:
-            extra.update(spec_name="KvtierSpec", eviction_policy=config.split("-", 1)[1])
+            extra.update(spec_name="KvtierSpec", eviction_policy=name.split("-", 1)[1])
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
-    elif config != "none":
-        raise ValueError(f"unknown configuration {config!r}")
+    elif name != "none":
+        raise ValueError(f"unknown configuration {name!r}")
     return kw
 
 
-def _counters(llm: Any) -> dict[str, float]:
-    """vLLM's prefix-cache counters (tokens): GPU hits, the offloading connector's hits, prompt tokens."""
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits", "vllm:prompt_tokens"):
-            out[m.name] = out.get(m.name, 0.0) + float(getattr(m, "value", 0.0))
-    return {
-        "gpu_hit_tokens": out.get("vllm:prefix_cache_hits", 0.0),
-        "host_hit_tokens": out.get("vllm:external_prefix_cache_hits", 0.0),
-        "prompt_tokens": out.get("vllm:prompt_tokens", 0.0),
-    }
+class Hits:
+    """Runs prompts and counts the prompt tokens each call found cached: in all (vLLM's ``num_cached_tokens`` of
+    each request) and from the offloading tier (what the connector's ``get_num_new_matched_tokens`` gave vLLM's
+    scheduler, watched in this process); the rest came from vLLM's GPU prefix cache."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.external: dict[str, int] = {}
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        connector = getattr(getattr(core, "scheduler", None), "connector", None)
+        # The offloading manager (scheduler side), to wait for its work after a turn (drain).
+        self.manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+        if connector is None:
+            return
+        matched = connector.get_num_new_matched_tokens
+
+        def watched(request: Any, num_computed_tokens: int) -> Any:
+            out = matched(request, num_computed_tokens)
+            if out[0]:  # None while the tier defers its lookup; a request matched again counts once
+                self.external[request.request_id] = int(out[0])
+            return out
+
+        connector.get_num_new_matched_tokens = watched
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        """Seconds, token ids, prompt tokens, and cached tokens from the GPU and from the offloading tier."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        self.external.clear()
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        cached = sum(int(o.num_cached_tokens or 0) for o in outs)
+        tier = sum(self.external.values())
+        return {
+            "s": dt,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_tokens": sum(map(len, prompts)),
+            "gpu_hit_tokens": cached - tier,
+            "tier_hit_tokens": tier,
+        }
 
 
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+def drain(hits: Hits, limit_s: float = 300.0) -> float:
+    """Steps the engine (a one-token request at a time) until the offloading manager has no work left: vLLM's
+    tiering spec cascades stores to its secondary tiers at step ends, so an engine that stops stepping leaves them
+    undone. Returns the seconds it took."""
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return dt, [list(o.outputs[0].token_ids) for o in outs]
+    manager = hits.manager
+    while manager is not None and manager.has_pending_work():
+        if time.perf_counter() - t0 > limit_s:
+            raise RuntimeError(f"the offloading manager still had work after {limit_s:.0f} s")
+        hits.generate([[1000 + BLOCK]], 1)
+        time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
@@ -191,53 +238,51 @@ def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def run_prefix(llm: Any, config: str, args: dict[str, Any], turns: str = "12") -> list[dict[str, Any]]:
+def run_prefix(hits: Hits, config: str, args: dict[str, Any], turns: str = "12") -> list[dict[str, Any]]:
     """The prefix workload's rows (see the module's text); ``turns`` '1' or '2' runs one turn (the l3 workload)."""
     import numpy as np
 
+    llm = hits.llm
     rows = []
     for length, count in parse_lengths(args["lengths"]):
         rng = np.random.default_rng([length, count, 1])
         prefixes = [tokens(rng, length) for _ in range(count)]
         suffixes = [[tokens(rng, NEW_TOKENS) for _ in range(count)] for _ in range(3)]
         turn = [[p + s for p, s in zip(prefixes, suffix, strict=True)] for suffix in suffixes]
-        row: dict[str, Any] = {"length": length, "prompts": count}
-        before = _counters(llm)
+        row: dict[str, Any] = {"length": length, "prompts": count, "prefix_bytes": length * count * args["kv_bytes"]}
         if "1" in turns:
-            row["turn1_s"], row["turn1_tokens"] = _generate(llm, turn[0], OUTPUT_TOKENS)
+            row["turn1"] = hits.generate(turn[0], OUTPUT_TOKENS)
             if config == "none":
                 # A GPU prefix-cache hit: turn 2 right after turn 1.
-                row["gpu_hit_s"], row["gpu_hit_tokens_out"] = _generate(llm, turn[1], OUTPUT_TOKENS)
+                row["gpu_hit"] = hits.generate(turn[1], OUTPUT_TOKENS)
+            if turns == "1":
+                row["drain_s"] = drain(hits)
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache")
+            time.sleep(args["think_s"])
         if "2" in turns:
-            mid = _counters(llm)
-            row["turn2_s"], row["turn2_tokens"] = _generate(llm, turn[2], OUTPUT_TOKENS)
-            row["turn2_counters"] = _delta(_counters(llm), mid)
+            row["turn2"] = hits.generate(turn[2], OUTPUT_TOKENS)
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache")
-        row["counters"] = _delta(_counters(llm), before)
-        row["prefix_bytes"] = length * count * kv_bytes_per_token(args["model"])
         rows.append(row)
     return rows
 
 
-def run_noreuse(llm: Any, args: dict[str, Any]) -> dict[str, Any]:
+def run_noreuse(hits: Hits, args: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     length, count = parse_lengths(args["noreuse"])[0]
-    times, outputs = [], []
+    runs = []
     for r in range(args["repeats"]):
         rng = np.random.default_rng([length, count, 2, r])
-        dt, out = _generate(llm, [tokens(rng, length) for _ in range(count)], OUTPUT_TOKENS)
-        times.append(dt)
-        outputs.append(out)
+        runs.append(hits.generate([tokens(rng, length) for _ in range(count)], OUTPUT_TOKENS))
+    times = [run["s"] for run in runs]
     return {
         "length": length,
         "prompts": count,
         "times_s": times,
         "requests_per_s": count / statistics.median(times),
-        "tokens": outputs,
+        "tokens": [run["tokens"] for run in runs],
     }
 
 
@@ -259,27 +304,21 @@ def trace_prompts(path: str, requests: int, max_tokens: int) -> list[list[int]]:
     return out
 
 
-def run_trace(llm: Any, args: dict[str, Any]) -> dict[str, Any]:
+def run_trace(hits: Hits, args: dict[str, Any]) -> dict[str, Any]:
     prompts = trace_prompts(args["trace"], args["trace_requests"], args["trace_max_tokens"])
-    _generate(llm, [prompts[0][: BLOCK * 4]], 1)  # warm-up
-    llm.reset_prefix_cache()
-    before = _counters(llm)
-    times, outputs = [], []
     t0 = time.perf_counter()
-    for p in prompts:
-        dt, out = _generate(llm, [p], 1)
-        times.append(dt)
-        outputs.append(out[0])
+    runs = [hits.generate([p], 1) for p in prompts]
     total = time.perf_counter() - t0
-    c = _delta(_counters(llm), before)
+    times = sorted(run["s"] for run in runs)
     return {
         "requests": len(prompts),
-        "prompt_tokens": sum(map(len, prompts)),
+        "prompt_tokens": sum(run["prompt_tokens"] for run in runs),
+        "gpu_hit_tokens": sum(run["gpu_hit_tokens"] for run in runs),
+        "tier_hit_tokens": sum(run["tier_hit_tokens"] for run in runs),
         "ttft_p50_s": statistics.median(times),
-        "ttft_p99_s": sorted(times)[min(len(times) - 1, int(0.99 * len(times)))],
+        "ttft_p99_s": times[min(len(times) - 1, int(0.99 * len(times)))],
         "requests_per_s": len(prompts) / total,
-        "counters": c,
-        "tokens": outputs,
+        "tokens": [run["tokens"][0] for run in runs],
     }
 
 
@@ -292,17 +331,19 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(config, args))
     out: dict[str, Any] = {"config": config, "workload": workload, "init_s": time.perf_counter() - t0}
-    _generate(llm, [list(range(1000, 1000 + 4 * BLOCK))], 2)  # warm-up
+    hits = Hits(llm)
+    hits.generate([list(range(1000, 1000 + 4 * BLOCK))], 2)  # warm-up
+    llm.reset_prefix_cache()
     if workload == "prefix":
-        out["prefix"] = run_prefix(llm, config, args)
+        out["prefix"] = run_prefix(hits, config, args)
         if config == "none":
             out["memcpy_h2d_gbs"] = _memcpy_gbs()
         if args.get("noreuse"):
-            out["noreuse"] = run_noreuse(llm, args)
+            out["noreuse"] = run_noreuse(hits, args)
     elif workload == "trace":
-        out["trace"] = run_trace(llm, args)
+        out["trace"] = run_trace(hits, args)
     elif workload == "l3":
-        out["prefix"] = run_prefix(llm, config, args, turns=args["turns"])
+        out["prefix"] = run_prefix(hits, config, args, turns=args["turns"])
     return out
 
 
@@ -317,7 +358,10 @@ def _spawn(config: str, workload: str, args: dict[str, Any], log: str | None) ->
     with open(log or os.devnull, "a") as logf:
         logf.write(f"==== {config} {workload}\n")
         logf.flush()
-        rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT).returncode
+        try:
+            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"configuration {config} ({workload}) ran past {CHILD_TIMEOUT_S} s; see {log}") from None
     try:
         if rc != 0:
             raise RuntimeError(f"configuration {config} ({workload}) failed with exit status {rc}; see {log}")
@@ -344,7 +388,7 @@ def check_identical(results: list[dict[str, Any]], pick: Any) -> None:
 
 
 def _tokens_of_prefix(r: dict[str, Any]) -> Any:
-    return [(row.get("turn1_tokens"), row.get("turn2_tokens")) for row in r["prefix"]]
+    return [(row["turn1"]["tokens"], row["turn2"]["tokens"]) for row in r["prefix"]]
 
 
 def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -352,23 +396,24 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = next(r for r in results if r["config"] == "none")
     rows = []
     for i, b in enumerate(base["prefix"]):
-        floor = b["gpu_hit_s"] + b["prefix_bytes"] / (base["memcpy_h2d_gbs"] * 1e9)
+        floor = b["gpu_hit"]["s"] + b["prefix_bytes"] / (base["memcpy_h2d_gbs"] * 1e9)
         row: dict[str, Any] = {
             "length": b["length"],
             "prompts": b["prompts"],
             "prefix_gib": b["prefix_bytes"] / 2**30,
-            "recompute_s": b["turn2_s"],
-            "gpu_hit_s": b["gpu_hit_s"],
+            "recompute_s": b["turn2"]["s"],
+            "gpu_hit_s": b["gpu_hit"]["s"],
+            "gpu_hit_tokens": b["gpu_hit"]["gpu_hit_tokens"],
             "floor_s": floor,
         }
         for r in results:
             if r["config"] != "none":
                 p = r["prefix"][i]
                 row[r["config"]] = {
-                    "turn1_s": p["turn1_s"],
-                    "turn2_s": p["turn2_s"],
-                    "over_floor": p["turn2_s"] / floor,
-                    "host_hit_tokens": p["turn2_counters"]["host_hit_tokens"],
+                    "turn1_s": p["turn1"]["s"],
+                    "turn2_s": p["turn2"]["s"],
+                    "over_floor": p["turn2"]["s"] / floor,
+                    "tier_hit_tokens": p["turn2"]["tier_hit_tokens"],
                 }
         rows.append(row)
     return rows
@@ -391,7 +436,7 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.tools.cli import at_least, parser, plot_file, positive
+    from kvtier.tools.cli import at_least, between, parser, plot_file, positive
 
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["--child"]:
@@ -403,7 +448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = parser("kvtier bench serve", __doc__)
     ap.add_argument("--workloads", default="prefix,trace", help=f"comma-separated: {', '.join(WORKLOADS)}")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)}; a kvtier one may add settings (kvtier-lru:copy_method=kernel)",
+    )
     ap.add_argument("--model", choices=sorted(MODELS), default="8b", help="the model shape of prefix, noreuse, l3")
     ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b-8l", help="the model shape of the trace")
     ap.add_argument("--lengths", default="4096x16,16384x4,32000x2", help="prefix workload: TOKENSxPROMPTS, ...")
@@ -414,7 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", help="Mooncake-format trace for the trace workload")
     ap.add_argument("--trace-requests", type=at_least(1), default=1000, help="the trace's first requests replayed")
     ap.add_argument("--trace-max-tokens", type=at_least(BLOCK), default=16384, help="trace prompts cut here")
-    ap.add_argument("--gpu-blocks", type=at_least(16), default=4096, help="vLLM's GPU KV blocks (16 tokens each)")
+    ap.add_argument(
+        "--gpu-blocks", type=at_least(16), default=4608, help="vLLM's GPU KV blocks (16 tokens each): a turn fits"
+    )
+    ap.add_argument("--think-s", type=between(0, 60, float), default=1.0, help="seconds between a turn and the next")
     ap.add_argument("--trace-gpu-blocks", type=at_least(16), default=2048, help="GPU KV blocks for the trace")
     ap.add_argument("--gpu-memory-utilization", type=positive(float), default=0.5, help="vLLM's setting")
     ap.add_argument("--log", help="append every engine's output here")
@@ -427,8 +479,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if w not in WORKLOADS:
             ap.error(f"--workloads: unknown workload {w!r} ({', '.join(WORKLOADS)})")
     for c in configs:
-        if c not in CONFIGS:
-            ap.error(f"--configs: unknown configuration {c!r} ({', '.join(CONFIGS)})")
+        try:
+            name, _ = split_config(c)
+        except ValueError as e:
+            ap.error(str(e))
+        if name not in CONFIGS:
+            ap.error(f"--configs: unknown configuration {name!r} ({', '.join(CONFIGS)})")
     if "prefix" in workloads and "none" not in configs:
         ap.error("--configs: the prefix workload needs 'none' (its recompute, GPU-hit and memcpy baselines)")
     if "trace" in workloads and not args.trace:
@@ -444,6 +500,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import vllm  # noqa: F401
     except ImportError as e:
         ap.error(f"needs vLLM and torch ({e})")
+    from kvtier.vllm import SETTING_KEYS, resolve_settings
+
+    for c in configs:
+        _, settings = split_config(c)
+        unknown = sorted(set(settings) - set(SETTING_KEYS))
+        if unknown:
+            ap.error(f"--configs: {c!r}: {unknown} are not settings of kvtier's vLLM spec ({', '.join(SETTING_KEYS)})")
+        try:
+            resolve_settings(settings)
+        except ValueError as e:
+            ap.error(f"--configs: {c!r}: {e}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
 
@@ -455,21 +522,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lengths": args.lengths,
         "noreuse": args.noreuse,
         "repeats": args.repeats,
+        "think_s": args.think_s,
     }
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "configs": configs}
     if "prefix" in workloads:
         model_dir = write_model(os.path.join(work, "prefix-model"), args.model, longest)
         a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
-             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib}  # fmt: skip
+             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib,
+             "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
         results = [_spawn(c, "prefix", a, args.log) for c in configs]
         check_identical(results, _tokens_of_prefix)
         if args.noreuse:
             check_identical(results, lambda r: r["noreuse"]["tokens"])
         report["prefix"] = summarize_prefix(results)
         report["memcpy_h2d_gbs"] = next(r for r in results if r["config"] == "none")["memcpy_h2d_gbs"]
-        print(
-            f"{report['device']}, vLLM {report['vllm']}, model {args.model}; memcpy {report['memcpy_h2d_gbs']:.1f} GB/s"
-        )
+        gbs = report["memcpy_h2d_gbs"]
+        print(f"{report['device']}, vLLM {report['vllm']}, model {args.model}; host -> device memcpy {gbs:.1f} GB/s")
         print_prefix(report["prefix"], configs)
         if args.noreuse:
             report["noreuse"] = {r["config"]: r["noreuse"]["requests_per_s"] for r in results}
@@ -482,17 +550,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         a = {**common, "model": args.trace_model, "model_dir": model_dir,
              "max_model_len": args.trace_max_tokens + BLOCK, "gpu_blocks": args.trace_gpu_blocks,
              "host_gib": args.trace_host_gib, "trace": args.trace, "trace_requests": args.trace_requests,
-             "trace_max_tokens": args.trace_max_tokens}  # fmt: skip
+             "trace_max_tokens": args.trace_max_tokens, "kv_bytes": kv_bytes_per_token(args.trace_model)}  # fmt: skip
         results = [_spawn(c, "trace", a, args.log) for c in configs]
         check_identical(results, lambda r: r["trace"]["tokens"])
         report["trace"] = {r["config"]: {k: v for k, v in r["trace"].items() if k != "tokens"} for r in results}
         host_tokens = args.trace_host_gib * 2**30 / kv_bytes_per_token(args.trace_model)
         print(f"trace: first {args.trace_requests} requests, model {args.trace_model}, host {host_tokens:,.0f} tokens")
         for c, t in report["trace"].items():
-            cnt = t["counters"]
             print(f"  {c:<16} TTFT p50 {t['ttft_p50_s'] * 1e3:7.1f} ms p99 {t['ttft_p99_s'] * 1e3:7.1f} ms, "
-                  f"{t['requests_per_s']:.2f} req/s, hit tokens GPU {cnt['gpu_hit_tokens']:,.0f} "
-                  f"host {cnt['host_hit_tokens']:,.0f} of {cnt['prompt_tokens']:,.0f}")  # fmt: skip
+                  f"{t['requests_per_s']:.2f} req/s, hit tokens: GPU {t['gpu_hit_tokens']:,} "
+                  f"host tier {t['tier_hit_tokens']:,} of {t['prompt_tokens']:,}")  # fmt: skip
     if "l3" in workloads:
         report["l3"] = run_l3(args, common, lengths, work)
     print("greedy token ids identical in every configuration")
@@ -513,17 +580,18 @@ def run_l3(args: Any, common: dict[str, Any], lengths: list[tuple[int, int]], wo
     need = sum(n * c for n, c in lengths) * kv_bytes_per_token(args.model)
     with LocalMooncake(segment_bytes=int(need * 1.25) + (256 << 20)) as mc:
         a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
-             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib, "l3_master": mc.master_addr}  # fmt: skip
+             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib, "l3_master": mc.master_addr,
+             "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
         first = _spawn("kvtier-l3", "l3", {**a, "turns": "1"}, args.log)
         second = _spawn("kvtier-l3", "l3", {**a, "turns": "2"}, args.log)
     recompute = _spawn("none", "l3", {**a, "turns": "2"}, args.log)
-    if [r["turn2_tokens"] for r in second["prefix"]] != [r["turn2_tokens"] for r in recompute["prefix"]]:
+    if [r["turn2"]["tokens"] for r in second["prefix"]] != [r["turn2"]["tokens"] for r in recompute["prefix"]]:
         raise AssertionError("greedy outputs differ: turn 2 served from the Store against recompute")
     rows = []
     for s, r, f in zip(second["prefix"], recompute["prefix"], first["prefix"], strict=True):
-        rows.append({"length": s["length"], "prompts": s["prompts"], "turn1_s": f["turn1_s"],
-                     "l3_turn2_s": s["turn2_s"], "recompute_s": r["turn2_s"], "ratio": s["turn2_s"] / r["turn2_s"],
-                     "hit_tokens": s["turn2_counters"]["host_hit_tokens"]})  # fmt: skip
+        t1, t2, rt = f["turn1"], s["turn2"], r["turn2"]
+        row = {"length": s["length"], "prompts": s["prompts"], "turn1_s": t1["s"], "l3_turn2_s": t2["s"]}
+        rows.append({**row, "recompute_s": rt["s"], "ratio": t2["s"] / rt["s"], "hit_tokens": t2["tier_hit_tokens"]})
     print("L3: turn 2 in a new instance, served from Mooncake Store, against recompute")
     for row in rows:
         print(f"  {row['length']:>6} x {row['prompts']:<3} {row['l3_turn2_s']:.3f} s vs {row['recompute_s']:.3f} s "
