@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -71,7 +72,7 @@ TIER_SETTINGS = (
     "model_version",
     "hash_key",
 )
-VLLM_TIER_KEYS = frozenset({"locality"})
+VLLM_TIER_KEYS = frozenset({"locality", "module_path"})
 # Objects one Store call moves at most (header slots of a staging buffer).
 HEADER_SLOTS = 256
 
@@ -125,6 +126,14 @@ def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, s
         },
         model_version=model_version,
     )
+
+
+def _stop(jobs: queue.Queue[Any], thread: threading.Thread, store: Store) -> None:
+    """Ends the tier's thread once the jobs queued before it are done (30 s at most), then closes the Store client."""
+    if thread.is_alive():
+        jobs.put(None)
+        thread.join(timeout=30)
+    store.close()
 
 
 class KvtierMooncakeTier(SecondaryTierManager):
@@ -192,6 +201,9 @@ class KvtierMooncakeTier(SecondaryTierManager):
         )
         self._thread = threading.Thread(target=self._serve, name="kvtier-vllm-tier", daemon=True)
         self._thread.start()
+        # Also at interpreter exit, for a tier whose engine was never shut down: a vLLM process that exited with the
+        # Store client open while its jobs ran was ended by std::terminate (measured under vLLM 0.25.1).
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self.store)
         log.info("KvtierMooncakeTier: fingerprint %s, %d bytes a chunk", self.fingerprint, self._row_bytes)
 
     # --- the framework's calls (scheduler thread, never blocking) ---
@@ -268,10 +280,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
         return {}
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout=30)
-        self.store.close()
+        self._finalizer()
         # vLLM unmaps its region at shutdown only when no view of it is left.
         self._rows = np.empty((0, 0), dtype=np.uint8)
 

@@ -578,7 +578,7 @@ def run_l3(args: Any, common: dict[str, Any], lengths: list[tuple[int, int]], wo
     longest = max(n for n, _ in lengths) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
     model_dir = write_model(os.path.join(work, "l3-model"), args.model, longest)
     need = sum(n * c for n, c in lengths) * kv_bytes_per_token(args.model)
-    with LocalMooncake(segment_bytes=int(need * 1.25) + (256 << 20)) as mc:
+    with LocalMooncake(segment_bytes=2 * need + (256 << 20)) as mc:  # the Store keeps room over its watermark
         a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
              "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib, "l3_master": mc.master_addr,
              "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
