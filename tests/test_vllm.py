@@ -221,6 +221,10 @@ def finish(worker: Any, job_ids: set[int]) -> None:
 def test_vllms_factory_builds_kvtiers_spec_manager_and_worker_from_the_one_line() -> None:
     spec = spec_from_line()
     assert type(spec) is kv.KvtierSpec
+    # What kvtier read of the configuration, whichever the release built the spec from.
+    layout = spec.layout
+    assert (layout.groups, layout.worker_kv_bytes_per_block, layout.blocks_per_chunk) == (((0, 16, 3),), 768, 1)
+    assert (layout.model_name, layout.model_dtype, layout.world_size) == (model_dir(), "float16", 1)
     # 1 MiB over chunks of 3 layers x 256 bytes.
     assert spec.num_chunks == (1 << 20) // (PAGE * LAYERS)
     manager = spec.get_manager()

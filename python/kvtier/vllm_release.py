@@ -13,7 +13,9 @@ What changed, release by release (``vllm/v1/kv_offload/`` and the offloading con
 - 0.27: an event's medium became the ``Medium`` enum (a string before: ``MEDIUM_CPU``, ``MEDIUM_STORAGE``).
 - 0.28: ``OffloadingConfig.canonical_layout``.
 - 0.29: events gained ``removal_expected`` (``offloading_event`` passes only the fields a release has).
-- 0.32: the scheduler no longer calls ``touch()``; ``get_load_source`` and ``CacheHitSource`` arrive.
+- 0.31: the scheduler no longer calls ``touch()`` (``SCHEDULER_TOUCHES``); the CPU manager's ``prepare_store``
+  counts the ready keys it is offered as a use instead.
+- 0.32: ``get_load_source`` and ``CacheHitSource`` arrive.
 - 0.33: a failed store releases its keys' event metadata (``metadata_only`` events); the config-info metric
   (``CPUOffloadingInfo``); secondary tiers' events and config info.
 - 0.34: a stored event names its request and promises a removal event (``STORED_EVENT_NAMES_REQUEST``); the
@@ -23,6 +25,7 @@ What changed, release by release (``vllm/v1/kv_offload/`` and the offloading con
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,6 +86,25 @@ try:
     HOST_HIT_SOURCE: Any = CacheHitSource.HOST
 except ImportError:
     HOST_HIT_SOURCE = None
+
+
+def _scheduler_touches() -> bool:
+    # The offloading scheduler's own source says whether it calls the manager's touch (read, not imported).
+    try:
+        spec = importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+        if spec is not None and spec.origin:
+            with open(spec.origin, encoding="utf-8") as f:
+                return re.search(r"\bmanager\.touch\(", f.read()) is not None
+    except (ImportError, OSError, ValueError):
+        pass
+    # Without the source: 0.31 gave requests their keys' positions in the same change that ended the touches.
+    return not hasattr(_base.ReqContext, "get_offload_key_position")
+
+
+# Up to 0.30 the scheduler calls touch() with every key of a request after its lookups and after each store it
+# submits, and vLLM's CPU manager counts no use of the keys a prepare_store is offered that it already holds; from
+# 0.31 there are no touches, and prepare_store counts the ready keys offered as a use.
+SCHEDULER_TOUCHES = _scheduler_touches()
 
 # 0.33: the config-info metric's labels (vLLM's CPUOffloadingInfo), None before.
 CPUOffloadingInfo: Any = getattr(_cpu_common, "CPUOffloadingInfo", None)
@@ -166,6 +188,10 @@ def _layout_025(spec: Any) -> SpecLayout:
     # (and 0.25's own CPU spec) do.
     vllm_config, kv_cache_config = spec.vllm_config, spec.kv_cache_config
     p = vllm_config.parallel_config
+    # The KV cache's dtype: the model's unless the cache has its own ("auto" says it has not).
+    model_dtype = vllm_config.cache_config.cache_dtype
+    if model_dtype == "auto":
+        model_dtype = vllm_config.model_config.dtype
     per_block = 0
     if kv_cache_config.num_blocks > 0:
         tensors = kv_cache_config.kv_cache_tensors
@@ -182,7 +208,7 @@ def _layout_025(spec: Any) -> SpecLayout:
         blocks_per_chunk=int(spec.block_size_factor),
         enable_kv_cache_events=spec.kv_events_config.enable_kv_cache_events,
         model_name=str(vllm_config.model_config.model),
-        model_dtype=str(vllm_config.cache_config.cache_dtype).replace("torch.", ""),
+        model_dtype=str(model_dtype).removeprefix("torch."),
         world_size=p.world_size,
         tp_size=p.tensor_parallel_size,
         pp_size=p.pipeline_parallel_size,
