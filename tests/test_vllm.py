@@ -128,6 +128,10 @@ def vllm_config(line: str = ONE_LINE, *, world_size: int = 1, rank: int = 0, eve
         device_config=DeviceConfig("cpu"),
     )
     config.parallel_config.rank = rank
+    if hasattr(config.cache_config, "kv_cache_layout"):
+        # vLLM 0.30 on: the layout the engine core resolves from what the workers' attention backends support
+        # (FlashAttention's layer-major one here), which build_offloading_config reads.
+        config.cache_config.kv_cache_layout = "LBNHC"
     return config
 
 
@@ -494,7 +498,7 @@ def test_worker_maps_vllm_034_device_pointers_back_to_blocks() -> None:
     try:
         from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
     except ImportError:
-        pytest.skip("this vLLM (0.33) hands the worker block ids, not device pointers")
+        pytest.skip("this vLLM (before 0.34) hands the worker block ids, not device pointers")
     spec = spec_from_line(groups=2)
     manager, caches = spec.get_manager(), kv_caches(groups=2, seed=5)
     worker = spec.get_worker(caches)
