@@ -581,7 +581,7 @@ def test_manager_and_workers_in_separate_processes_share_only_block_ids() -> Non
         manager.complete_load(keys, ctx)
     finally:
         for p in procs:
-            p.join(timeout=120)
+            p.join(timeout=300)  # a loaded 2-core machine starts and ends them slowly
             if p.is_alive():
                 p.kill()
         os.environ.clear()
@@ -618,7 +618,7 @@ class Engine:
     BLOCKS = 64
     HEAD = 4
 
-    def __init__(self, model_dir: str, line: str = ONE_LINE) -> None:
+    def __init__(self, model_dir: str, line: str = ONE_LINE, batched_tokens: int = 256) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -643,7 +643,7 @@ class Engine:
             model_config=ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=4,
-                max_num_batched_tokens=256,
+                max_num_batched_tokens=batched_tokens,
                 max_model_len=1024,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
@@ -724,7 +724,8 @@ class Engine:
             running = self.scheduler.running
             output: dict[str, Any] = {
                 "req_ids": [r.request_id for r in running],
-                "sampled_token_ids": [[7] for _ in running],
+                # A request whose prompt is not all computed yet (chunked prefill) samples nothing this step.
+                "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
                 "logprobs": None,
                 "prompt_logprobs_dict": {},
                 "pooler_output": None,
@@ -764,6 +765,31 @@ def test_vllms_scheduler_and_connector_offload_to_kvtier_and_load_the_same_bytes
     second = engine.run("b", prompt, max_tokens=2)
     s = manager.stats()
     assert (s["hits"], s["hit_tokens"], s["pages_loaded"]) == (1, 4 * Engine.BLOCK, 4)
+    for b, want in zip(second[:4], stored, strict=True):
+        assert torch.equal(engine.kv[b], want), f"GPU block {b} does not hold the bytes stored from the first run"
+
+
+def test_chunks_of_two_blocks_under_chunked_prefill_store_and_load_the_same_bytes(tmp_path: Any) -> None:
+    # The extra config's block_size asks for chunks of two GPU blocks; prefill runs 24 tokens a step, so the prompt's
+    # blocks are computed (and offered for storing) over several steps, a chunk's two blocks in different ones.
+    (tmp_path / "config.json").write_text(json.dumps(TINY_OPT))
+    line = json.loads(ONE_LINE)
+    line["kv_connector_extra_config"]["block_size"] = 2 * Engine.BLOCK
+    engine = Engine(str(tmp_path), json.dumps(line), batched_tokens=24)
+    manager = engine.connector_scheduler.manager
+    assert isinstance(manager, kv.KvtierManager)
+    assert manager.index.block_size == 2 * Engine.BLOCK
+
+    prompt = list(range(200, 200 + 5 * Engine.BLOCK + 3))  # 2 whole chunks, a block and 3 tokens
+    first = engine.run("a", prompt, max_tokens=2)
+    assert manager.stats()["pages_stored"] == 2
+    stored = [engine.kv[b].clone() for b in first[:4]]
+
+    assert engine.scheduler.reset_prefix_cache()
+    engine.kv.zero_()
+    second = engine.run("b", prompt, max_tokens=2)
+    s = manager.stats()
+    assert (s["hit_tokens"], s["pages_loaded"]) == (4 * Engine.BLOCK, 2)
     for b, want in zip(second[:4], stored, strict=True):
         assert torch.equal(engine.kv[b], want), f"GPU block {b} does not hold the bytes stored from the first run"
 
