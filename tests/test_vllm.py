@@ -1,20 +1,27 @@
-"""kvtier under vLLM's offloading connector (kvtier.vllm): vLLM's own config classes and factory build the spec from
-the one config line; the manager is driven as vLLM's scheduler drives it; the worker round-trips KV bytes on CPU
-tensors, in this process and in a separate worker process; kvtier's Mooncake tier runs under vLLM's tiering spec.
+"""kvtier under vLLM's offloading connector (kvtier.vllm): vLLM's own config classes, KV cache planner and
+offloading factory build the spec from the one config line, as the installed release's connector does; the manager
+is driven as vLLM's scheduler drives it; the worker round-trips KV bytes on CPU tensors, in this process and in a
+separate worker process; kvtier's Mooncake tier runs under vLLM's tiering spec.
 
-Needs vLLM 0.33 or 0.34 (its own venv: .ci/vllm); skipped where vLLM is not importable.
+Needs vLLM 0.25.1 through 0.34 (its own venv: .ci/vllm); skipped where vLLM is not importable.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import inspect
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +39,7 @@ ONE_LINE = (
 PAGE = 256  # bytes of one block of one KV tensor in these tests
 LAYERS = 3
 GPU_BLOCKS = 32
+BLOCK_TOKENS = 16
 
 
 def test_import_kvtier_never_imports_vllm() -> None:
@@ -50,66 +58,136 @@ if HAVE_VLLM:
             CanonicalKVCacheTensor,
             GPULoadStoreSpec,
             LookupResult,
-            Medium,
             OffloadKey,
             ReqContext,
             make_offload_key,
         )
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
         import kvtier.vllm as kv
+        import kvtier.vllm_release as release
+
+        try:  # where the release's KV cache planner lives (0.33 moved it)
+            from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        except ImportError:
+            from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+        try:  # vLLM 0.26 on: the connector builds an OffloadingConfig and the spec from it
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+        except ImportError:  # vLLM 0.25: the spec is built from the VllmConfig and the KVCacheConfig
+            build_offloading_config = None
 
     pytestmark = [needs_vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 else:
     pytestmark = [needs_vllm]
 
+# A model config vLLM's ModelConfig reads (no weights: nothing here runs the model).
+TINY_OPT = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "ffn_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 64,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+_MODEL_DIR: list[str] = []
 
-def offloading_config(
-    extra: dict[str, Any],
+
+def model_dir() -> str:
+    """A directory with TINY_OPT's config.json, made once a process."""
+    if not _MODEL_DIR:
+        path = tempfile.mkdtemp(prefix="kvtier-vllm-model-")
+        atexit.register(shutil.rmtree, path, True)
+        Path(path, "config.json").write_text(json.dumps(TINY_OPT))
+        _MODEL_DIR.append(path)
+    return _MODEL_DIR[0]
+
+
+def vllm_config(line: str = ONE_LINE, *, world_size: int = 1, rank: int = 0, events: bool = False) -> Any:
+    """vLLM's VllmConfig for the tiny model with the `--kv-transfer-config` line (parsed by vLLM's KVTransferConfig),
+    ``world_size`` tensor-parallel ranks, this process being ``rank``."""
+    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    transfer = KVTransferConfig(**json.loads(line))
+    assert transfer.kv_connector == "OffloadingConnector"
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir(), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=512
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=world_size),
+        kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.parallel_config.rank = rank
+    if hasattr(config.cache_config, "kv_cache_layout"):
+        # vLLM 0.30 on: the layout the engine core resolves from what the workers' attention backends support
+        # (FlashAttention's layer-major one here), which build_offloading_config reads.
+        config.cache_config.kv_cache_layout = "LBNHC"
+    return config
+
+
+def attention_spec(page: int = PAGE) -> Any:
+    """vLLM's full-attention KV spec of one float16 KV head whose block takes ``page`` bytes a layer."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=page // (2 * BLOCK_TOKENS * 2), dtype=torch.float16
+    )
+    assert spec.page_size_bytes == page
+    return spec
+
+
+def kv_cache_config(
+    config: Any, *, groups: int = 1, layers: int = LAYERS, page: int = PAGE, blocks: int = GPU_BLOCKS
+) -> Any:
+    """vLLM's KVCacheConfig as its planner lays ``groups`` KV cache groups of ``layers`` layers out over ``blocks``
+    GPU blocks (several groups share one allocation, as a hybrid model's do)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    spec = attention_spec(page)
+    specs = [KVCacheGroupSpec([f"g{g}.layer{i}" for i in range(layers)], spec) for g in range(groups)]
+    config.cache_config.num_gpu_blocks_override = blocks
+    kvc = get_kv_cache_config_from_groups(config, specs, blocks * page * layers)
+    assert kvc.num_blocks == blocks
+    return kvc
+
+
+def connector_spec(config: Any, kvc: Any) -> Any:
+    """The spec this release's OffloadingConnector builds: from build_offloading_config's OffloadingConfig (0.26 on),
+    from the VllmConfig and the KVCacheConfig (0.25)."""
+    if build_offloading_config is not None:
+        return OffloadingSpecFactory.create_spec(build_offloading_config(config, kvc))
+    return OffloadingSpecFactory.create_spec(config, kvc)
+
+
+def spec_from_line(
+    line: str = ONE_LINE,
     *,
-    worker_kv_bytes_per_block: int = PAGE * LAYERS,
     blocks_per_chunk: int = 1,
     groups: int = 1,
+    layers: int = LAYERS,
+    page: int = PAGE,
     world_size: int = 1,
     rank: int = 0,
     events: bool = False,
-) -> OffloadingConfig:
-    """vLLM's OffloadingConfig as its connector builds it (build_offloading_config) from an extra config."""
-    return OffloadingConfig(
-        groups=tuple(OffloadingGroupConfig(16, (f"layer{g}",), g) for g in range(groups)),
-        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        enable_kv_cache_events=events,
-        extra_config=extra,
-        engine_id="kvtier-test",
-        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
-
-
-def spec_from_line(line: str = ONE_LINE, **kwargs: Any) -> Any:
-    """The spec vLLM's factory builds from a `--kv-transfer-config` line (parsed by vLLM's KVTransferConfig)."""
-    transfer = KVTransferConfig(**json.loads(line))
-    assert transfer.kv_connector == "OffloadingConnector"
-    return OffloadingSpecFactory.create_spec(offloading_config(dict(transfer.kv_connector_extra_config), **kwargs))
+) -> Any:
+    """The spec vLLM's factory builds from a `--kv-transfer-config` line for the tiny model's KV caches; chunks of
+    ``blocks_per_chunk`` blocks through the extra config's ``block_size`` (tokens a chunk), as a user asks for them."""
+    if blocks_per_chunk != 1:
+        parsed = json.loads(line)
+        parsed["kv_connector_extra_config"]["block_size"] = BLOCK_TOKENS * blocks_per_chunk
+        line = json.dumps(parsed)
+    config = vllm_config(line, world_size=world_size, rank=rank, events=events)
+    return connector_spec(config, kv_cache_config(config, groups=groups, layers=layers, page=page))
 
 
 def key(i: int, group: int = 0) -> OffloadKey:
@@ -147,6 +225,10 @@ def finish(worker: Any, job_ids: set[int]) -> None:
 def test_vllms_factory_builds_kvtiers_spec_manager_and_worker_from_the_one_line() -> None:
     spec = spec_from_line()
     assert type(spec) is kv.KvtierSpec
+    # What kvtier read of the configuration, whichever the release built the spec from.
+    layout = spec.layout
+    assert (layout.groups, layout.worker_kv_bytes_per_block, layout.blocks_per_chunk) == (((0, 16, 3),), 768, 1)
+    assert (layout.model_name, layout.model_dtype, layout.world_size) == (model_dir(), "float16", 1)
     # 1 MiB over chunks of 3 layers x 256 bytes.
     assert spec.num_chunks == (1 << 20) // (PAGE * LAYERS)
     manager = spec.get_manager()
@@ -154,7 +236,10 @@ def test_vllms_factory_builds_kvtiers_spec_manager_and_worker_from_the_one_line(
     assert manager.index.page_slots == spec.num_chunks
     assert manager.index.eviction_policy == "lru"
     (info,) = manager.config_info()
-    assert info["cpu_num_chunks"] == spec.num_chunks
+    if release.CPUOffloadingInfo is not None:  # vLLM 0.33 on: the config-info metric
+        assert info["cpu_num_chunks"] == spec.num_chunks
+    else:
+        assert info == {}
     worker = spec.get_worker(kv_caches())
     assert isinstance(worker, kv.KvtierWorker)
     assert worker.host_view().shape == (spec.num_chunks, PAGE * LAYERS)
@@ -196,23 +281,32 @@ def test_bad_settings_are_refused_naming_the_value(extra: dict[str, Any], messag
 
 
 def test_other_vllm_versions_are_refused_naming_the_range() -> None:
-    for version in ("0.33.0", "0.33.2rc1", "0.34.0"):
+    for version in ("0.25.1", "0.25.2", "0.30.0", "0.33.0", "0.33.2rc1", "0.34.0", "0.34.1"):
         kv.check_vllm_version(version)
-    for version in ("0.35.0", "0.32.1", "1.0", "unknown"):
-        with pytest.raises(ImportError, match=r"vLLM >=0\.33,<0\.35.*" + version.replace(".", r"\.")):
+    for version in ("0.25.0", "0.24.3", "0.35.0", "1.0", "unknown"):
+        with pytest.raises(ImportError, match=r"vLLM >=0\.25\.1,<0\.35.*" + re.escape(repr(version))):
             kv.check_vllm_version(version)
+    assert kv.SUPPORTED_VLLM == ">=0.25.1,<0.35"
 
 
 # ---- the manager, driven as vLLM's scheduler drives it --------------------------------------------------------
 
 
-def allocations(stats: Any) -> tuple[int, int]:
-    """The count and sum of vLLM's allocation-size histogram in a manager's ``get_stats()``."""
-    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
-
+def allocations(stats: Any) -> tuple[int, int] | None:
+    """The count and sum of vLLM's allocation-size histogram in a manager's ``get_stats()``; None where the release
+    defines no such histogram (before 0.26), and then the statistics have none."""
     reduced = stats.reduce()
-    name = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
+    assert release.CPU_METRICS.CPU_CACHE_USAGE_PERC in reduced
+    if not release.HAS_WRITE_READ_USAGE:
+        assert not any("allocation" in name for name in reduced), reduced
+        return None
+    name = release.CPU_METRICS.CPU_ALLOCATION_SIZE
     return int(reduced.get(f"{name}_count", 0)), int(reduced.get(f"{name}_sum", 0))
+
+
+def histogram(count: int, total: int) -> tuple[int, int] | None:
+    """What ``allocations`` reads in this release for ``count`` calls asking for ``total`` slots."""
+    return (count, total) if release.HAS_WRITE_READ_USAGE else None
 
 
 def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> None:
@@ -236,7 +330,7 @@ def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> Non
     assert manager.lookup(a, ctx) is LookupResult.HIT_PENDING
     stats = manager.get_stats()
     assert stats is not None
-    assert allocations(stats) == (1, 3)  # vLLM's histogram of the slots each prepare_store asked for
+    assert allocations(stats) == histogram(1, 3)  # vLLM's histogram of the slots each prepare_store asked for
     manager.complete_store({a, b, c}, ctx)  # vLLM reports a job's keys as a set
     assert [manager.lookup(k, ctx) for k in (a, b, c, d)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
 
@@ -259,15 +353,15 @@ def test_the_manager_stores_loads_and_evicts_as_vllms_scheduler_expects() -> Non
     survivor = d if evicted == c else c
     manager.prepare_load([survivor], ctx)
     assert manager.prepare_store([key(9)], ctx) is None
-    assert allocations(manager.get_stats()) == (3, 3)  # d, e and the refused key(9)
-    assert allocations(manager.get_stats()) == (0, 0)
+    assert allocations(manager.get_stats()) == histogram(3, 3)  # d, e and the refused key(9)
+    assert allocations(manager.get_stats()) == histogram(0, 0)
     manager.complete_load([a, b], ctx)
     manager.complete_load([e], ctx)
     manager.complete_load([survivor], ctx)
     manager.on_request_finished(ctx)
 
     events = list(manager.take_events())
-    assert all(ev.medium is Medium.CPU for ev in events)
+    assert all(ev.medium == release.MEDIUM_CPU for ev in events)
     stored = [k for ev in events if not ev.removed for k in ev.keys]
     removed = [k for ev in events if ev.removed for k in ev.keys]
     assert sorted(stored) == sorted([a, b, c, d, e]) and removed == [evicted]
@@ -404,7 +498,7 @@ def test_worker_maps_vllm_034_device_pointers_back_to_blocks() -> None:
     try:
         from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
     except ImportError:
-        pytest.skip("this vLLM (0.33) hands the worker block ids, not device pointers")
+        pytest.skip("this vLLM (before 0.34) hands the worker block ids, not device pointers")
     spec = spec_from_line(groups=2)
     manager, caches = spec.get_manager(), kv_caches(groups=2, seed=5)
     worker = spec.get_worker(caches)
@@ -487,7 +581,7 @@ def test_manager_and_workers_in_separate_processes_share_only_block_ids() -> Non
         manager.complete_load(keys, ctx)
     finally:
         for p in procs:
-            p.join(timeout=120)
+            p.join(timeout=300)  # a loaded 2-core machine starts and ends them slowly
             if p.is_alive():
                 p.kill()
         os.environ.clear()
@@ -514,23 +608,6 @@ def test_index_hits_equal_the_keys_vllms_lookup_walk_finds() -> None:
 
 # ---- vLLM's own scheduler and connector, with the one line in a VllmConfig ------------------------------------
 
-TINY_OPT = {
-    "architectures": ["OPTForCausalLM"],
-    "model_type": "opt",
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "ffn_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 2048,
-    "word_embed_proj_dim": 64,
-    "do_layer_norm_before": True,
-    "torch_dtype": "float16",
-    "pad_token_id": 1,
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-}
-
 
 class Engine:
     """vLLM's scheduler (with the OffloadingConnector's scheduler side) and a worker's OffloadingConnector over one
@@ -541,7 +618,7 @@ class Engine:
     BLOCKS = 64
     HEAD = 4
 
-    def __init__(self, model_dir: str, line: str = ONE_LINE) -> None:
+    def __init__(self, model_dir: str, line: str = ONE_LINE, batched_tokens: int = 256) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -556,16 +633,17 @@ class Engine:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         cache = CacheConfig(block_size=self.BLOCK, enable_prefix_caching=True)
-        cache.kv_cache_layout = "LBNHC"
+        if hasattr(cache, "kv_cache_layout"):  # vLLM 0.30 on: the layout the worker resolved, read by the connector
+            cache.kv_cache_layout = "LBNHC"
         self.config = VllmConfig(
             model_config=ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=4,
-                max_num_batched_tokens=256,
+                max_num_batched_tokens=batched_tokens,
                 max_model_len=1024,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
@@ -577,16 +655,12 @@ class Engine:
         )
         self.config.scheduler_config.async_scheduling = False
         spec = FullAttentionSpec(block_size=self.BLOCK, num_kv_heads=1, head_size=self.HEAD, dtype=torch.float32)
-        page = spec.page_size_bytes
-        kv_config = KVCacheConfig(
-            num_blocks=self.BLOCKS,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * self.BLOCKS, layers=["layer"], layer_stride=page * self.BLOCKS, block_stride=page
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        # vLLM's planner lays the one layer's KV cache out (its KVCacheTensor fields differ between releases).
+        self.config.cache_config.num_gpu_blocks_override = self.BLOCKS
+        kv_config = get_kv_cache_config_from_groups(
+            self.config, [KVCacheGroupSpec(["layer"], spec)], spec.page_size_bytes * self.BLOCKS
         )
+        assert kv_config.num_blocks == self.BLOCKS
         self.config.cache_config.num_gpu_blocks = self.BLOCKS
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, self.config)
         self.scheduler = Scheduler(
@@ -650,7 +724,8 @@ class Engine:
             running = self.scheduler.running
             output: dict[str, Any] = {
                 "req_ids": [r.request_id for r in running],
-                "sampled_token_ids": [[7] for _ in running],
+                # A request whose prompt is not all computed yet (chunked prefill) samples nothing this step.
+                "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
                 "logprobs": None,
                 "prompt_logprobs_dict": {},
                 "pooler_output": None,
@@ -694,19 +769,68 @@ def test_vllms_scheduler_and_connector_offload_to_kvtier_and_load_the_same_bytes
         assert torch.equal(engine.kv[b], want), f"GPU block {b} does not hold the bytes stored from the first run"
 
 
+def test_chunks_of_two_blocks_under_chunked_prefill_store_and_load_the_same_bytes(tmp_path: Any) -> None:
+    # The extra config's block_size asks for chunks of two GPU blocks; prefill runs 24 tokens a step, so the prompt's
+    # blocks are computed (and offered for storing) over several steps, a chunk's two blocks in different ones.
+    (tmp_path / "config.json").write_text(json.dumps(TINY_OPT))
+    line = json.loads(ONE_LINE)
+    line["kv_connector_extra_config"]["block_size"] = 2 * Engine.BLOCK
+    engine = Engine(str(tmp_path), json.dumps(line), batched_tokens=24)
+    manager = engine.connector_scheduler.manager
+    assert isinstance(manager, kv.KvtierManager)
+    assert manager.index.block_size == 2 * Engine.BLOCK
+
+    prompt = list(range(200, 200 + 5 * Engine.BLOCK + 3))  # 2 whole chunks, a block and 3 tokens
+    first = engine.run("a", prompt, max_tokens=2)
+    assert manager.stats()["pages_stored"] == 2
+    stored = [engine.kv[b].clone() for b in first[:4]]
+
+    assert engine.scheduler.reset_prefix_cache()
+    engine.kv.zero_()
+    second = engine.run("b", prompt, max_tokens=2)
+    s = manager.stats()
+    assert (s["hit_tokens"], s["pages_loaded"]) == (4 * Engine.BLOCK, 2)
+    for b, want in zip(second[:4], stored, strict=True):
+        assert torch.equal(engine.kv[b], want), f"GPU block {b} does not hold the bytes stored from the first run"
+
+
 # ---- contract: kvtier's manager against vLLM's CPUOffloadingManager (LRU, same capacity) ---------------------
+
+
+def scheduler_touches() -> bool:
+    """Whether this release's offloading scheduler calls the manager's ``touch`` (vLLM up to 0.30 does: after each
+    lookup and each store it submits, with every key of the request)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+
+    return re.search(r"\bmanager\.touch\(", inspect.getsource(scheduler)) is not None
+
+
+def cpu_manager(capacity: int) -> Any:
+    """vLLM's CPUOffloadingManager (LRU, events on); its capacity is ``num_blocks`` before 0.30 and ``num_chunks``
+    after, so it goes positionally."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    return CPUOffloadingManager(capacity, cache_policy="lru", enable_events=True)
+
+
+def event_rows(events: Any) -> list[tuple[Any, ...]]:
+    """Events as comparable rows (a field a release lacks reads as its later default)."""
+    return sorted(
+        (e.removed, getattr(e, "metadata_only", False), getattr(e, "removal_expected", False), sorted(e.keys))
+        for e in events
+    )
 
 
 def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200) -> int:
     """Random requests, each one store or one lookup-and-load, completed and finished before the next, on both
     managers: the same lookups, keys to store, refusals, evictions and events (with the metadata-only releases of
-    failed stores). Returns the number of evictions seen."""
+    failed stores). Where the release's scheduler calls ``touch``, the replay does too, where it would: after the
+    lookups, and after a store that copies anything. Returns the number of evictions seen."""
     import random
 
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
     rnd = random.Random(seed)
-    ref = CPUOffloadingManager(num_chunks=capacity, cache_policy="lru", enable_events=True)
+    touches = scheduler_touches()
+    ref = cpu_manager(capacity)
     ours = kv.KvtierManager(capacity, enable_events=True)
     evictions = 0
     for step in range(steps):
@@ -722,6 +846,9 @@ def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200)
                 assert a.keys_to_store == b.keys_to_store, where
                 assert sorted(a.evicted_keys) == sorted(b.evicted_keys), where
                 evictions += len(a.evicted_keys)
+                if touches and a.keys_to_store:
+                    for m, ctx in zip((ref, ours), contexts, strict=True):
+                        m.touch(offered, ctx)
                 ok = rnd.random() < 0.9
                 ref.complete_store(a.keys_to_store, contexts[0], ok)
                 ours.complete_store(b.keys_to_store, contexts[1], ok)
@@ -729,6 +856,9 @@ def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200)
             found = [[m.lookup(k, ctx) for k in offered] for m, ctx in zip((ref, ours), contexts, strict=True)]
             assert found[0] == found[1], where
             hits = [k for k, r in zip(offered, found[0], strict=True) if r is LookupResult.HIT]
+            if touches:
+                for m, ctx in zip((ref, ours), contexts, strict=True):
+                    m.touch(offered, ctx)
             if hits:
                 for m, ctx in zip((ref, ours), contexts, strict=True):
                     m.prepare_load(hits, ctx)
@@ -740,9 +870,7 @@ def replay(seed: int, *, capacity: int, keys: int, batch: int, steps: int = 200)
             hits, pending = ours.index.lookup_keys([k])
             want = LookupResult.HIT if hits else LookupResult.HIT_PENDING if pending else LookupResult.MISS
             assert ours.lookup(k, contexts[1]) is want, where
-        theirs = sorted((e.removed, e.metadata_only, e.removal_expected, sorted(e.keys)) for e in ref.take_events())
-        mine = sorted((e.removed, e.metadata_only, e.removal_expected, sorted(e.keys)) for e in ours.take_events())
-        assert theirs == mine, where
+        assert event_rows(ref.take_events()) == event_rows(ours.take_events()), where
     return evictions
 
 
@@ -757,13 +885,54 @@ def test_contract_batches_match_vllms_manager_until_the_pool_is_full() -> None:
         assert replay(seed, capacity=16, keys=16, batch=4) == 0
 
 
+def test_contract_touch_ranks_pages_as_vllms_lru() -> None:
+    # The pages of one-key stores age in store order; a touch makes its ready keys the most recent, its first key
+    # the most recent of all (vLLM's LRU moves them to the end in reverse order), and passes over keys being stored
+    # and keys not on the host. Evicting one page a store then shows the whole order on both managers.
+    if not scheduler_touches():
+        pytest.skip("this release's scheduler never calls touch (vLLM 0.31 on)")
+    ref, ours = cpu_manager(6), kv.KvtierManager(6, enable_events=True)
+    ctx = ReqContext(req_id="r")
+    both = (ref, ours)
+    for i in range(5):
+        for m in both:
+            out = m.prepare_store([key(i)], ctx)
+            assert out is not None
+            m.complete_store(out.keys_to_store, ctx)
+    for m in both:
+        assert m.prepare_store([key(5)], ctx) is not None  # pending: a touch leaves it alone
+        m.touch([key(3), key(9), key(5), key(1), key(4), key(3)], ctx)
+        m.complete_store([key(5)], ctx)
+    evicted: list[list[Any]] = [[], []]
+    for i in range(6):
+        for m, got in zip(both, evicted, strict=True):
+            out = m.prepare_store([key(100 + i)], ctx)
+            assert out is not None
+            got.extend(out.evicted_keys)
+            m.complete_store(out.keys_to_store, ctx)
+    assert evicted[0] == [key(0), key(2), key(4), key(1), key(3), key(5)]
+    assert evicted[1] == evicted[0]
+    assert event_rows(ref.take_events()) == event_rows(ours.take_events())
+
+
 # ---- KvtierMooncakeTier under vLLM's TieringOffloadingSpec, on a real Mooncake master -------------------------
 
 HAVE_MOONCAKE = find_spec("mooncake") is not None
 
 
+def vllm_tier() -> Any:
+    """kvtier.vllm_tier, or a skip where it cannot work yet: it is written against vLLM 0.33's tiering interface
+    (TransferJob, take_events, ConfigInfoMapping), which earlier releases lack or shape otherwise."""
+    try:
+        import kvtier.vllm_tier as tier
+    except ImportError as e:
+        pytest.skip(f"kvtier.vllm_tier does not support this vLLM ({release.VLLM_VERSION}) yet: {e}")
+    return tier
+
+
 @pytest.fixture
 def mooncake_master() -> Any:
+    vllm_tier()
     if not HAVE_MOONCAKE:
         pytest.skip("mooncake is not installed")
     from kvtier.l3.server import LocalMooncake
@@ -787,11 +956,9 @@ def tiering_spec(master: str, chunks: int = 4, **tier: Any) -> Any:
             }
         ],
     }
-    import uuid
-
-    config = offloading_config(extra, worker_kv_bytes_per_block=4096, events=True)
-    config = type(config)(**{**config.__dict__, "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}"})
-    return OffloadingSpecFactory.create_spec(config)
+    # One layer of 4096 bytes a block; vLLM's KVTransferConfig gives each config an engine id of its own.
+    line = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    return spec_from_line(line, layers=1, page=4096, events=True)
 
 
 def settle(manager: Any, until: Any, what: str) -> None:
@@ -809,7 +976,7 @@ def settle(manager: Any, until: Any, what: str) -> None:
 
 
 def test_mooncake_tier_keeps_chunks_vllms_cpu_tier_evicted_and_serves_them_back_verified(mooncake_master: str) -> None:
-    from kvtier.vllm_tier import KvtierMooncakeTier
+    KvtierMooncakeTier = vllm_tier().KvtierMooncakeTier
 
     spec = tiering_spec(mooncake_master)
     manager = spec.get_manager()
@@ -832,7 +999,7 @@ def test_mooncake_tier_keeps_chunks_vllms_cpu_tier_evicted_and_serves_them_back_
         settle(manager, lambda: tier.counters["put"] == 4 and not tier.has_pending_work(), "the puts")
         manager.on_request_finished(ctx)
         events = list(manager.take_events())
-        assert sorted(k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys) == keys
+        assert sorted(k for e in events if e.medium == release.MEDIUM_STORAGE and not e.removed for k in e.keys) == keys
 
         # Four new chunks push the first four out of the CPU tier; the Mooncake tier still has them.
         ctx = ReqContext(req_id="b")
@@ -914,7 +1081,7 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
     ],
 )
 def test_mooncake_tier_refuses_bad_configs_naming_them(tier: dict[str, Any], message: str) -> None:
-    from kvtier.vllm_tier import tier_settings
+    tier_settings = vllm_tier().tier_settings
 
     config = {"l3_master": "127.0.0.1:1", "model_version": "r", "hash_key": "k", **tier}
     with pytest.raises(ValueError, match=message):

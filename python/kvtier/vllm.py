@@ -49,6 +49,7 @@ from kvtier.vllm_release import (
     HOST_HIT_SOURCE,
     MEDIUM_CPU,
     MEDIUM_STORAGE,
+    SCHEDULER_TOUCHES,
     STORED_EVENT_NAMES_REQUEST,
     SUPPORTED_VLLM,
     CPUOffloadingInfo,
@@ -244,7 +245,9 @@ class KvtierManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        if not keys:
+        if not keys or (SCHEDULER_TOUCHES and all(map(self.index.key_state, keys))):
+            # Nothing to store. Where vLLM's scheduler touches the keys it reuses (up to 0.30), a prepare_store of
+            # keys all on the host counts no use, as vLLM's CPU manager there: its touches rank the pages.
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         plan = self.index.store_keys(keys)
         if plan is None:

@@ -15,8 +15,10 @@ What changed, release by release (``vllm/v1/kv_offload/`` and the offloading con
   before) and its result gained ``successful_keys`` and ``transfer_time`` (``job_result``).
 - 0.29: events gained ``removal_expected`` (``offloading_event`` passes only the fields a release has).
 - 0.30: a tier job's primary slots are ``chunk_ids`` (``block_ids`` before: ``job_chunk_ids``).
-- 0.32: the scheduler no longer calls ``touch()``; ``get_load_source`` and ``CacheHitSource`` arrive; a secondary
-  tier is built with a ``backpressure_detector`` (``TIER_BASE_PARAMETERS``).
+- 0.31: the scheduler no longer calls ``touch()`` (``SCHEDULER_TOUCHES``); the CPU manager's ``prepare_store``
+  counts the ready keys it is offered as a use instead.
+- 0.32: ``get_load_source`` and ``CacheHitSource`` arrive; a secondary tier is built with a
+  ``backpressure_detector`` (``TIER_BASE_PARAMETERS``).
 - 0.33: a failed store releases its keys' event metadata (``metadata_only`` events); the config-info metric
   (``CPUOffloadingInfo``); a tier job's result carries ``transfer_bytes``.
 - 0.34: a stored event names its request and promises a removal event (``STORED_EVENT_NAMES_REQUEST``); the
@@ -88,6 +90,13 @@ try:
     HOST_HIT_SOURCE: Any = CacheHitSource.HOST
 except ImportError:
     HOST_HIT_SOURCE = None
+
+
+# Up to 0.30 the scheduler calls touch() with every key of a request after its lookups and after each store it
+# submits, and vLLM's CPU manager counts no use of the keys a prepare_store is offered that it already holds; from
+# 0.31 there are no touches, and prepare_store counts the ready keys offered as a use.
+# 0.31 gave requests their keys' positions (ReqContext.get_offload_key_position) in the change that ended touches.
+SCHEDULER_TOUCHES = not hasattr(_base.ReqContext, "get_offload_key_position")
 
 # 0.33: the config-info metric's labels (vLLM's CPUOffloadingInfo), None before.
 CPUOffloadingInfo: Any = getattr(_cpu_common, "CPUOffloadingInfo", None)
@@ -171,6 +180,10 @@ def _layout_025(spec: Any) -> SpecLayout:
     # (and 0.25's own CPU spec) do.
     vllm_config, kv_cache_config = spec.vllm_config, spec.kv_cache_config
     p = vllm_config.parallel_config
+    # The KV cache's dtype: the model's unless the cache has its own ("auto" says it has not).
+    model_dtype = vllm_config.cache_config.cache_dtype
+    if model_dtype == "auto":
+        model_dtype = vllm_config.model_config.dtype
     per_block = 0
     if kv_cache_config.num_blocks > 0:
         tensors = kv_cache_config.kv_cache_tensors
@@ -187,7 +200,7 @@ def _layout_025(spec: Any) -> SpecLayout:
         blocks_per_chunk=int(spec.block_size_factor),
         enable_kv_cache_events=spec.kv_events_config.enable_kv_cache_events,
         model_name=str(vllm_config.model_config.model),
-        model_dtype=str(vllm_config.cache_config.cache_dtype).replace("torch.", ""),
+        model_dtype=str(model_dtype).removeprefix("torch."),
         world_size=p.world_size,
         tp_size=p.tensor_parallel_size,
         pp_size=p.pipeline_parallel_size,

@@ -31,6 +31,11 @@ _POLICY = (
     "is its own (the pages of one store age deepest first, by completion), as its contract test with vLLM says"
 )
 _INTERNALS = "reads or patches private attributes of vLLM's CPU manager"
+_SLOTS = (
+    "besides the keys stored, evicted and kept (kvtier's are vLLM's), it checks which host chunk each new key "
+    "gets; kvtier hands a store's slots out in ascending order, so a prompt lands in runs of slots that copy "
+    "in fewer pieces"
+)
 
 # Test function name (or one parametrization's) -> why kvtier's manager fails it on purpose.
 KNOWN_DIFFERENCES: dict[str, str] = {
@@ -45,16 +50,14 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "test_unfinished_lru_backfill_orders_by_token_position": _POLICY,
     "test_lru_failed_store_retry_preserves_prefix_order": _POLICY,
     "test_lru_incremental_stores_do_not_rescan_the_prefix": _POLICY + " (it counts token-position lookups)",
-    "test_already_stored_chunk_not_evicted_during_prepare_store": (
-        "besides the keys stored, evicted and kept (kvtier's are vLLM's), it checks which host chunk each new key "
-        "gets; kvtier hands a store's slots out in ascending order, so a prompt lands in runs of slots that copy "
-        "in fewer pieces"
-    ),
+    "test_already_stored_chunk_not_evicted_during_prepare_store": _SLOTS,
+    "test_already_stored_block_not_evicted_during_prepare_store": _SLOTS,  # its name before vLLM 0.30
     "test_cpu_manager_reports_cache_usage_gauge": (
         "it builds a manager of zero chunks; kvtier refuses an empty pool with a ValueError"
     ),
     "test_cpu_manager_reports_allocation_size_on_allocation_failure": _INTERNALS,
     "test_evictable_cache_chunk_count": _INTERNALS,
+    "test_evictable_cache_block_count": _INTERNALS,  # its name before vLLM 0.30
     "test_failed_store_records_access_once_and_uses_store_miss_hook": _INTERNALS,
     "test_lru_batch_eviction_failure_is_atomic": _INTERNALS,
     "test_lru_repeated_pin_cycles_compact_lazy_heap_entries": _INTERNALS,
@@ -68,24 +71,30 @@ _outcomes: dict[str, str] = {}  # of those tests: passed, known differences or f
 
 
 class KvtierAsCPUManager(KvtierManager):
-    """kvtier's manager, built from the arguments of vLLM's ``CPUOffloadingManager``."""
+    """kvtier's manager, built from the arguments of vLLM's ``CPUOffloadingManager`` (its capacity is ``num_blocks``
+    before vLLM 0.30, ``num_chunks`` after)."""
 
     def __init__(
         self,
-        num_chunks: int,
+        num_chunks: int | None = None,
         cache_policy: str = "lru",
         cache_policy_module_path: str | None = None,
         enable_events: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
+        *,
+        num_blocks: int | None = None,
         **rest: Any,
     ) -> None:
+        capacity = num_chunks if num_chunks is not None else num_blocks
+        if capacity is None:
+            raise TypeError("KvtierAsCPUManager: no capacity (num_chunks or num_blocks)")
         if cache_policy != "lru" or cache_policy_module_path is not None:
             pytest.skip(f"vLLM's {cache_policy!r} cache policy: kvtier's manager has its own policies")
-        if store_threshold:
+        if store_threshold >= 2:  # vLLM: 0 and 1 both store every offer
             pytest.skip("vLLM's store_threshold (store a key only once it is reused): kvtier stores every offer")
         _built.add(_current[0])
-        super().__init__(num_chunks, enable_events=enable_events)
+        super().__init__(capacity, enable_events=enable_events)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
