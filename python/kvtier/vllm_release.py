@@ -214,6 +214,8 @@ def _layout_025(spec: Any) -> SpecLayout:
 # ---- secondary tiers (vLLM's tiering spec) ----------------------------------------------------------------------
 
 # The keyword arguments vLLM's SecondaryTierManager.__init__ takes (backpressure_detector from 0.32).
+# 0.28: vLLM's tiering manager takes its secondary tiers' KV events (STORAGE); before, a tier's events go nowhere.
+TIER_EVENTS = hasattr(_tiering.SecondaryTierManager, "take_events")
 TIER_BASE_PARAMETERS = frozenset(inspect.signature(_tiering.SecondaryTierManager.__init__).parameters) - {"self"}
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(_tiering.JobResult))
 

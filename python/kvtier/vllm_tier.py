@@ -42,6 +42,7 @@ import numpy as np
 from kvtier.vllm_release import (
     MEDIUM_STORAGE,
     TIER_BASE_PARAMETERS,
+    TIER_EVENTS,
     job_chunk_ids,
     job_result,
     offloading_event,
@@ -192,9 +193,9 @@ class KvtierMooncakeTier(SecondaryTierManager):
         self._lock = threading.Lock()
         self._finished: deque[Any] = deque()
         self._events: deque[Any] = deque()
-        # vLLM drains events only when it publishes them.
         events = getattr(offloading_spec, "kv_events_config", None)
-        self._record_events = bool(getattr(events, "enable_kv_cache_events", False))
+        # vLLM drains a tier's events (from 0.28 on) only when it publishes them; else they would pile up here.
+        self._record_events = TIER_EVENTS and bool(getattr(events, "enable_kv_cache_events", False))
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self.counters = dict.fromkeys(
             ("put", "present", "loaded", "missing", "rejected", "failed", "probed", "found"), 0
