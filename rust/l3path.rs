@@ -516,19 +516,21 @@ fn check_all(
     })
 }
 
+/// A Store in a map for the core's tests, answering as Mooncake does: a longer value -600, a shorter one
+/// `WRONG_LENGTH`, a missing one -704; `answer` replaces a get's code (a transient failure), `fail` fails every call.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_store {
     use super::*;
     use std::cell::RefCell;
     use std::collections::HashMap;
 
     /// A Store in a map; `answer` replaces the get code of a key (a transient failure), `fail` fails every call.
     #[derive(Default)]
-    struct MapStore {
-        values: RefCell<HashMap<String, Vec<u8>>>,
-        answer: RefCell<HashMap<String, i64>>,
-        fail: Option<Failure>,
-        removed: RefCell<Vec<String>>,
+    pub(crate) struct MapStore {
+        pub(crate) values: RefCell<HashMap<String, Vec<u8>>>,
+        pub(crate) answer: RefCell<HashMap<String, i64>>,
+        pub(crate) fail: Option<Failure>,
+        pub(crate) removed: RefCell<Vec<String>>,
     }
 
     impl Store for MapStore {
@@ -586,6 +588,12 @@ mod tests {
             Ok(if self.values.borrow_mut().remove(key).is_some() { 0 } else { -704 })
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_store::MapStore;
+    use super::*;
 
     fn objects(pages: &mut [Vec<u8>]) -> Vec<Object> {
         pages

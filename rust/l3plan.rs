@@ -480,64 +480,12 @@ mod tests {
     use super::*;
     use crate::chain::HashKind;
     use crate::index::Config;
+    use crate::l3path::test_store::MapStore;
     use crate::l3path::{Answer, WRONG_LENGTH};
-    use std::cell::RefCell;
-    use std::collections::HashMap;
 
     struct Host {
         pages: Vec<u8>,
         states: Vec<u8>,
-    }
-
-    /// A Store in a map; `before_get` runs before each get (a version change, an eviction).
-    #[derive(Default)]
-    struct MapStore {
-        values: RefCell<HashMap<String, Vec<u8>>>,
-        answer: RefCell<HashMap<String, i64>>,
-        removed: RefCell<Vec<String>>,
-    }
-
-    impl Store for MapStore {
-        fn exists(&self, keys: &[String]) -> Answer {
-            Ok(keys.iter().map(|k| i64::from(self.values.borrow().contains_key(k))).collect())
-        }
-        fn put(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
-            for (k, p) in keys.iter().zip(pieces) {
-                // SAFETY: test pieces are live for the call.
-                let v: Vec<u8> = p
-                    .iter()
-                    .flat_map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) }.to_vec())
-                    .collect();
-                self.values.borrow_mut().entry(k.clone()).or_insert(v);
-            }
-            Ok(vec![0; keys.len()])
-        }
-        fn get(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
-            Ok(keys
-                .iter()
-                .zip(pieces)
-                .map(|(k, p)| {
-                    if let Some(&c) = self.answer.borrow().get(k) {
-                        return c;
-                    }
-                    let Some(v) = self.values.borrow().get(k).cloned() else { return -704 };
-                    if v.len() != p.iter().map(|x| x.1).sum::<usize>() {
-                        return WRONG_LENGTH;
-                    }
-                    let mut at = 0;
-                    for &(a, n) in p {
-                        // SAFETY: test pieces are live for the call.
-                        unsafe { std::ptr::copy_nonoverlapping(v[at..].as_ptr(), a as *mut u8, n) };
-                        at += n;
-                    }
-                    v.len() as i64
-                })
-                .collect())
-        }
-        fn remove(&self, key: &str) -> std::result::Result<i64, Failure> {
-            self.removed.borrow_mut().push(key.to_owned());
-            Ok(if self.values.borrow_mut().remove(key).is_some() { 0 } else { -704 })
-        }
     }
 
     struct Cache {
