@@ -1,25 +1,24 @@
-//! L3 planning: which objects a put sends and a fetch gets, their key strings, the host pointers of their
-//! pieces, their headers, and the check of what a fetch got. The L3 tier's threads only run Store calls on
-//! these plans and report the answers back.
+//! L3 planning: which objects a put sends and a fetch gets, their key strings and host pieces, and the jobs
+//! that run them through the one object path (rust/l3path.rs) against a `Store`. The L3 tier's threads only call
+//! `put` and `fetch` and count what they report.
 //!
 //! A put names the whole groups of `group_pages` pages of what a store made ready, and its states at group
 //! ends, skips what the seen-set knows, and holds the host entries it reads. A fetch probes the groups beyond
 //! the host's ready run, takes the longest run in the Store, snaps it to the deepest group end with a state (on
 //! the host or in the Store; the lookup's rule) and reserves fresh slots; its objects are admitted only when
-//! every header and digest checks.
-use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::ptr::NonNull;
+//! every header and digest checks. A plan keeps the fingerprint and format it was made under: a model-version
+//! change while it runs makes it check its objects as what they are (the old version's), never reject them.
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use crate::chain::Key;
 use crate::error::{invalid, Result};
 use crate::index::{deepest_with_state, Index, Ready};
-use crate::l3::{group_key_string, state_key_string, ObjectFormat, ObjectKind, Reject, SeenSet, HEADER_BYTES};
+use crate::l3::{group_key_string, state_key_string, ObjectFormat, ObjectKind, Reject, SeenSet};
+use crate::l3path::{Buffer, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
 
 /// Seen-set ids of state objects differ from those of groups named by the same chain key.
 const STATE_ID: Key = 0x5354_4154_4500_0000_0000_0000_0000_0001;
-
-/// A Store code that says the object's value has another length (kvtier's own, below Mooncake's codes).
-pub const WRONG_LENGTH: i64 = -1100;
 
 /// Whether an L3 fetch of groups of `group_pages` could add whole groups between the host's ready run and the
 /// lookup's cap (pages).
@@ -36,87 +35,18 @@ pub struct HostLayout {
     pub state_bytes: usize,
 }
 
-/// A zeroed, fixed heap buffer handed to the Store by address: headers, and pages a fetch reads but the host
-/// has already. Accessed only through raw pointers, since a Store call may still use it after a timeout.
-#[derive(Debug)]
-struct Buffer {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: the buffer is plain bytes, used through raw pointers only; the planner's lock orders its users.
-unsafe impl Send for Buffer {}
-// SAFETY: as for Send: a shared reference only hands out the address.
-unsafe impl Sync for Buffer {}
-
-impl Buffer {
-    fn new(bytes: usize) -> Self {
-        let layout = Layout::from_size_align(bytes.max(1), 64).expect("a small buffer");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).expect("allocation of an L3 buffer");
-        Self { ptr, layout }
-    }
-    fn addr(&self) -> usize {
-        self.ptr.as_ptr() as usize
-    }
-    fn bytes(&self) -> usize {
-        self.layout.size()
+fn seen_id(o: &Object) -> Key {
+    match o.kind {
+        ObjectKind::Group => o.chain_key,
+        ObjectKind::State => o.chain_key ^ STATE_ID,
     }
 }
 
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `new`.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
-
-/// Header slots handed out round robin, so that a plan whose Store call timed out (and may still run) is not
-/// overwritten by the next plan at once; even then a clash only makes a header fail its check.
-#[derive(Debug)]
-struct Headers {
-    buf: Buffer,
-    slots: usize,
-    next: usize,
-}
-
-impl Headers {
-    fn take(&mut self) -> usize {
-        let at = self.buf.addr() + self.next * HEADER_BYTES;
-        self.next = (self.next + 1) % self.slots;
-        at
-    }
-}
-
-/// One object of a plan: its key string, the chain key its header names, and its pieces (header first).
+/// The fingerprint a plan's objects are named under and the format that seals and checks them.
 #[derive(Clone, Debug)]
-pub struct Object {
-    pub key: String,
-    pub chain_key: Key,
-    pub kind: ObjectKind,
-    /// `(address, bytes)`: the header, then the payload pieces in order.
-    pub pieces: Vec<(usize, usize)>,
-    /// The chain keys of a group's pages, in order (none for a state): what its KV events name.
-    pub pages: Vec<Key>,
-}
-
-impl Object {
-    pub fn bytes(&self) -> usize {
-        self.pieces.iter().map(|p| p.1).sum()
-    }
-    fn seen_id(&self) -> Key {
-        match self.kind {
-            ObjectKind::Group => self.chain_key,
-            ObjectKind::State => self.chain_key ^ STATE_ID,
-        }
-    }
-}
-
-/// Which way a Store call moves objects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transfer {
-    Put,
-    Get,
+struct Named {
+    fingerprint: Arc<str>,
+    format: Arc<ObjectFormat>,
 }
 
 /// A put: objects to send, and the hold ticket that keeps their host entries until the put returned.
@@ -124,6 +54,7 @@ pub enum Transfer {
 pub struct PutPlan {
     pub ticket: u64,
     pub objects: Vec<Object>,
+    named: Named,
 }
 
 /// What a fetch asks the Store first: the group keys g0..g1 and the end states the host lacks.
@@ -135,6 +66,7 @@ pub struct Probe {
     /// Indices (into the candidate groups) of the end states asked for, after the group keys.
     asked: Vec<usize>,
     pub exists_keys: Vec<String>,
+    named: Named,
 }
 
 /// A fetch: objects to get into fresh slots (and the scratch buffer), under a fetch ticket.
@@ -145,212 +77,80 @@ pub struct FetchPlan {
     /// New host pages and states the ticket fills.
     pub pages: usize,
     pub states: usize,
-}
-
-/// The check of what a fetch got: objects rejected (wrong length, header or digest) and lost (a Store code).
-#[derive(Clone, Debug, Default)]
-pub struct Verdict {
-    pub rejected: Vec<(usize, Reject)>,
-    pub lost: Vec<(usize, i64)>,
-}
-
-impl Verdict {
-    pub fn admitted(&self) -> bool {
-        self.rejected.is_empty() && self.lost.is_empty()
-    }
-}
-
-/// How a Store call moves an object's bytes.
-#[derive(Debug)]
-enum Wire {
-    /// Straight from and into the host pools and the planner's header and scratch buffers, all of them registered
-    /// with the Store: any peer of the Store's transfer engine can write them.
-    ZeroCopy,
-    /// Through staging buffers of their own (one for puts, one for fetches), the only memory registered: a put
-    /// copies each object there first; a fetch lands there and is copied out before it is checked, so what is
-    /// checked and served is memory no peer can write.
-    Staged { put: Buffer, fetch: Buffer },
+    named: Named,
 }
 
 /// The L3 planner of one cache; see the module docs.
 #[derive(Debug)]
 pub struct Planner {
-    fingerprint: String,
-    format: ObjectFormat,
+    named: Named,
     hash_key: Vec<u8>,
     group_pages: usize,
     host: HostLayout,
     seen: SeenSet,
     seen_keys: usize,
-    put_headers: Headers,
-    fetch_headers: Headers,
     scratch: Buffer,
     scratch_pages: usize,
-    wire: Wire,
 }
 
 impl Planner {
-    /// `header_slots` bounds the objects of one plan; `scratch_pages` the pages a fetch reads that the host
-    /// holds already (a plan is cut before a group that needs more). `staging_bytes`: the size of each staging
-    /// buffer (puts, fetches), which must hold the largest object; None moves objects zero-copy.
-    #[allow(clippy::too_many_arguments)]
+    /// `scratch_pages` bounds the pages a fetch reads that the host holds already (a plan is cut before a group
+    /// that needs more).
     pub fn new(
         fingerprint: &str,
         hash_key: &[u8],
         group_pages: usize,
         host: HostLayout,
         seen_keys: usize,
-        header_slots: usize,
         scratch_pages: usize,
-        staging_bytes: Option<usize>,
     ) -> Result<Self> {
-        if group_pages == 0 || header_slots < 2 || host.page_bytes == 0 {
+        if group_pages == 0 || host.page_bytes == 0 {
             return Err(invalid(format!(
-                "need group_pages >= 1, header_slots >= 2, page_bytes >= 1; got {group_pages}, {header_slots}, {}",
+                "need group_pages >= 1 and page_bytes >= 1; got {group_pages}, {}",
                 host.page_bytes
             )));
         }
-        let wire = match staging_bytes {
-            None => Wire::ZeroCopy,
-            Some(bytes) => {
-                let largest = HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
-                if bytes < largest {
-                    return Err(invalid(format!(
-                        "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of \
-                         {} bytes and a header), got {bytes}",
-                        host.page_bytes
-                    )));
-                }
-                Wire::Staged { put: Buffer::new(bytes), fetch: Buffer::new(bytes) }
-            }
-        };
-        let headers = || Headers { buf: Buffer::new(header_slots * HEADER_BYTES), slots: header_slots, next: 0 };
         Ok(Self {
-            fingerprint: fingerprint.to_owned(),
-            format: ObjectFormat::new(fingerprint, hash_key),
+            named: Named {
+                fingerprint: fingerprint.into(),
+                format: Arc::new(ObjectFormat::new(fingerprint, hash_key)),
+            },
             hash_key: hash_key.to_vec(),
             group_pages,
             host,
             seen: SeenSet::new(seen_keys)?,
             seen_keys,
-            put_headers: headers(),
-            fetch_headers: headers(),
             scratch: Buffer::new(scratch_pages * host.page_bytes),
             scratch_pages,
-            wire,
         })
     }
 
     /// A new fingerprint (the model version changed): later plans name objects under it and check against it,
-    /// and nothing is remembered as seen any more.
+    /// and nothing is remembered as seen any more. Plans made before keep theirs.
     pub fn set_fingerprint(&mut self, fingerprint: &str) -> Result<()> {
-        self.fingerprint = fingerprint.to_owned();
-        self.format = ObjectFormat::new(fingerprint, &self.hash_key);
+        self.named =
+            Named { fingerprint: fingerprint.into(), format: Arc::new(ObjectFormat::new(fingerprint, &self.hash_key)) };
         self.seen = SeenSet::new(self.seen_keys)?;
         Ok(())
     }
 
-    /// Whether objects move straight from and into the host pools (which the Store must then have registered).
-    pub fn zero_copy(&self) -> bool {
-        matches!(self.wire, Wire::ZeroCopy)
-    }
-
     pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
+        &self.named.fingerprint
     }
     pub fn group_pages(&self) -> usize {
         self.group_pages
     }
-    /// `(address, bytes)` of the planner's buffers the Store must have registered: the staging buffers, or
-    /// zero-copy the header and scratch buffers (the host pools besides, see `zero_copy`).
-    pub fn buffers(&self) -> Vec<(usize, usize)> {
-        let of = |b: &Buffer| (b.addr(), b.bytes());
-        match &self.wire {
-            Wire::ZeroCopy => vec![of(&self.put_headers.buf), of(&self.fetch_headers.buf), of(&self.scratch)],
-            Wire::Staged { put, fetch } => vec![of(put), of(fetch)],
-        }
-    }
-
-    /// The plan's objects in runs that one Store call moves: all of them zero-copy, else as many consecutive ones
-    /// as the staging buffer holds. `(start, end)` object indices.
-    pub fn batches(&self, objects: &[Object]) -> Vec<(usize, usize)> {
-        let cap = match &self.wire {
-            Wire::ZeroCopy => usize::MAX,
-            Wire::Staged { put, .. } => put.bytes(),
-        };
-        let mut out = Vec::new();
-        let (mut start, mut bytes) = (0, 0);
-        for (i, o) in objects.iter().enumerate() {
-            if bytes + o.bytes() > cap && i > start {
-                out.push((start, i));
-                (start, bytes) = (i, 0);
-            }
-            bytes += o.bytes();
-        }
-        if start < objects.len() {
-            out.push((start, objects.len()));
-        }
-        out
-    }
-
-    /// `(address, bytes)` pieces of each object that a Store call reads (`Direction::Put`) or writes (`Get`):
-    /// the object's own pieces zero-copy, else one range of the staging buffer, which a put fills first. The
-    /// objects are one batch of `batches`.
-    pub fn wire(&self, objects: &[Object], dir: Transfer) -> Vec<Vec<(usize, usize)>> {
-        let Some(base) = self.staging(dir) else {
-            return objects.iter().map(|o| o.pieces.clone()).collect();
-        };
-        let mut at = base;
-        objects
-            .iter()
-            .map(|o| {
-                if dir == Transfer::Put {
-                    for &(p, n) in &o.pieces {
-                        // SAFETY: the pieces are the header slot and host slots the put's ticket holds (nobody
-                        // writes them until it is released); the batch fits the staging buffer (`batches`).
-                        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, at as *mut u8, n) };
-                        at += n;
-                    }
-                    vec![(at - o.bytes(), o.bytes())]
-                } else {
-                    at += o.bytes();
-                    vec![(at - o.bytes(), o.bytes())]
-                }
-            })
-            .collect()
-    }
-
-    /// After a staged get of one batch: copies each whole object (`got[i]` its bytes) out of the staging buffer
-    /// into its own pieces, where it is checked and served. Nothing to do zero-copy.
-    pub fn unstage(&self, objects: &[Object], got: &[i64]) {
-        let Some(mut at) = self.staging(Transfer::Get) else { return };
-        for (i, o) in objects.iter().enumerate() {
-            if got.get(i).copied() == Some(o.bytes() as i64) {
-                for &(p, n) in &o.pieces {
-                    // SAFETY: the pieces are a header slot, slots the fetch's ticket reserved and scratch pages, all
-                    // this planner's or the cache's private memory; the get into the staging range has returned.
-                    unsafe { std::ptr::copy_nonoverlapping(at as *const u8, p as *mut u8, n) };
-                    at += n;
-                }
-            } else {
-                at += o.bytes();
-            }
-        }
-    }
-
-    fn staging(&self, dir: Transfer) -> Option<usize> {
-        match (&self.wire, dir) {
-            (Wire::ZeroCopy, _) => None,
-            (Wire::Staged { put, .. }, Transfer::Put) => Some(put.addr()),
-            (Wire::Staged { fetch, .. }, Transfer::Get) => Some(fetch.addr()),
-        }
+    /// `(address, bytes)` of the scratch pages a fetch reads pages the host holds into: zero-copy the Store must
+    /// have it registered.
+    pub fn scratch(&self) -> (usize, usize) {
+        (self.scratch.addr(), self.scratch.bytes())
     }
 
     pub fn group_key(&self, last_page_key: Key) -> String {
-        group_key_string(&self.fingerprint, self.group_pages as u32, last_page_key)
+        group_key_string(&self.named.fingerprint, self.group_pages as u32, last_page_key)
     }
     pub fn state_key(&self, page_key: Key) -> String {
-        state_key_string(&self.fingerprint, page_key)
+        state_key_string(&self.named.fingerprint, page_key)
     }
 
     fn page_ptr(&self, slot: u32) -> usize {
@@ -410,43 +210,14 @@ impl Planner {
                 }
             }
         }
-        let cap = self.put_headers.slots;
-        for dropped in objects.drain(objects.len().min(cap)..) {
-            self.seen.remove(dropped.seen_id()); // more objects than header slots: a later store puts the rest
-        }
-        for o in &mut objects {
-            o.pieces.insert(0, (self.put_headers.take(), HEADER_BYTES));
-        }
-        Ok(Some(PutPlan { ticket: held.ticket, objects }))
+        Ok(Some(PutPlan { ticket: held.ticket, objects, named: self.named.clone() }))
     }
 
-    /// How this cache writes and checks its objects (for `seal` and `verify`, which need no lock).
-    pub fn format(&self) -> &ObjectFormat {
-        &self.format
-    }
-
-    /// Objects not to send: `present[i] == 1` says the Store has object i (a put never replaces one). They are
-    /// not remembered as seen: nobody has checked them, and once a reader rejects and removes one, the next store
-    /// of it puts the right bytes.
-    pub fn drop_present(&mut self, plan: &mut PutPlan, present: &[i64]) -> usize {
-        let before = plan.objects.len();
-        let mut i = 0;
-        let seen = &mut self.seen;
-        plan.objects.retain(|o| {
-            i += 1;
-            let keep = present.get(i - 1) != Some(&1);
-            if !keep {
-                seen.remove(o.seen_id());
-            }
-            keep
-        });
-        before - plan.objects.len()
-    }
-
-    /// Forget that these objects were sent or seen (a failed put or get: a later store may put them again).
-    pub fn unsee(&mut self, objects: &[&Object]) {
+    /// Forget that these objects were sent or seen (not stored, present but unchecked, or failed a get: a later
+    /// store may put them again).
+    pub fn unsee<'a>(&mut self, objects: impl IntoIterator<Item = &'a Object>) {
         for o in objects {
-            self.seen.remove(o.seen_id());
+            self.seen.remove(seen_id(o));
         }
     }
 
@@ -470,11 +241,11 @@ impl Planner {
         let asked: Vec<usize> = (0..ends.len()).filter(|&i| has_states && !state_on_host[i]).collect();
         let mut exists_keys: Vec<String> = ends.iter().map(|&k| self.group_key(k)).collect();
         exists_keys.extend(asked.iter().map(|&i| self.state_key(ends[i])));
-        Some(Probe { keys, g0, state_on_host, asked, exists_keys })
+        Some(Probe { keys, g0, state_on_host, asked, exists_keys, named: self.named.clone() })
     }
 
-    /// The second step: from the Store's exists() answers, the run to get; reserves its slots. None for a
-    /// miss (nothing usable in the Store, or the host pools cannot make room now).
+    /// The second step: from the Store's exists() answers, the run to get, named under the probe's fingerprint;
+    /// reserves its slots. None for a miss (nothing usable in the Store, or the host pools cannot make room now).
     pub fn plan_fetch(&mut self, ix: &mut Index, probe: &Probe, codes: &[i64]) -> Result<Option<FetchPlan>> {
         let g = self.group_pages;
         let n_groups = probe.state_on_host.len();
@@ -484,13 +255,13 @@ impl Planner {
         let end = |i: usize| probe.keys[(probe.g0 + i + 1) * g - 1];
         let mut run = codes[..n_groups].iter().take_while(|&&c| c == 1).count();
         // Groups the host partly holds are read whole (the digest covers every page) into the scratch buffer;
-        // cut the run where scratch or header slots run out.
+        // cut the run where scratch runs out.
         let mut scratch_used = 0;
         for i in 0..run {
             let first = (probe.g0 + i) * g;
             let present = probe.keys[first..first + g].iter().filter(|&&k| ix.pages().slot_of(k).is_some()).count();
             let need = if present == g { 0 } else { present };
-            if scratch_used + need > self.scratch_pages || i + 2 > self.fetch_headers.slots {
+            if scratch_used + need > self.scratch_pages {
                 run = i;
                 break;
             }
@@ -514,13 +285,14 @@ impl Planner {
         let page_keys = &probe.keys[probe.g0 * g..(probe.g0 + n) * g];
         let state_keys: Vec<Key> = state_at.into_iter().collect();
         let Some(slots) = ix.plan_fetch(page_keys, &state_keys)? else { return Ok(None) };
+        let fp = &probe.named.fingerprint;
         let mut objects = Vec::new();
         let mut scratch_next = 0;
         for (i, group) in slots.page_slots.chunks(g).enumerate() {
             if group.iter().all(Option::is_none) {
                 continue; // the host holds this whole group already
             }
-            let mut all = vec![(self.fetch_headers.take(), HEADER_BYTES)];
+            let mut pieces = Vec::with_capacity(g);
             for s in group {
                 let at = match s {
                     Some(s) => self.page_ptr(*s),
@@ -529,83 +301,178 @@ impl Planner {
                         self.scratch.addr() + (scratch_next - 1) * self.host.page_bytes
                     }
                 };
-                all.push((at, self.host.page_bytes));
+                pieces.push((at, self.host.page_bytes));
             }
             let first = (probe.g0 + i) * g;
             objects.push(Object {
-                key: self.group_key(end(i)),
+                key: group_key_string(fp, g as u32, end(i)),
                 chain_key: end(i),
                 kind: ObjectKind::Group,
-                pieces: all,
+                pieces,
                 pages: probe.keys[first..first + g].to_vec(),
             });
         }
         if let (Some(k), Some(Some(s))) = (state_at, slots.state_slots.first()) {
-            let pieces = vec![(self.fetch_headers.take(), HEADER_BYTES), (self.state_ptr(*s), self.host.state_bytes)];
             objects.push(Object {
-                key: self.state_key(k),
+                key: state_key_string(fp, k),
                 chain_key: k,
                 kind: ObjectKind::State,
-                pieces,
+                pieces: vec![(self.state_ptr(*s), self.host.state_bytes)],
                 pages: Vec::new(),
             });
         }
         for o in &objects {
-            self.seen.insert(o.seen_id()); // unseen again unless the object checks (`verify`, `unsee`)
+            self.seen.insert(seen_id(o)); // unseen again unless the object checks
         }
         Ok(Some(FetchPlan {
             ticket: slots.ticket,
             objects,
             pages: slots.page_slots.iter().flatten().count(),
             states: slots.state_slots.iter().flatten().count(),
+            named: probe.named.clone(),
         }))
     }
 }
 
-/// Writes the headers of a put: digests of the held entries (no lock needed).
-pub fn seal(format: &ObjectFormat, plan: &PutPlan) {
-    for o in &plan.objects {
-        // SAFETY: the header slot lies in the planner's put headers; the payload pieces are host slots held by
-        // the plan's ticket (ready, written by no one until released) inside pools that outlive the planner.
-        unsafe {
-            let payload = payload_of(o);
-            let header = &mut *(o.pieces[0].0 as *mut [u8; HEADER_BYTES]);
-            format.seal(header, o.chain_key, o.kind, &payload);
-        }
-    }
+/// The planner and the index it plans for, each behind its own lock (never both held across a Store call).
+pub struct Tier<'a> {
+    pub planner: &'a Mutex<Planner>,
+    pub index: &'a Mutex<Index>,
+    pub path: &'a ObjectPath,
 }
 
-/// Checks what a fetch got: `got[i]` is the Store's answer for `objects[i]` (bytes read, or a code), after
-/// `Planner::unstage`. No index lock needed: the slots are reserved by the plan's ticket.
-pub fn verify(format: &ObjectFormat, objects: &[Object], got: &[i64]) -> Verdict {
-    let mut v = Verdict::default();
-    for (i, o) in objects.iter().enumerate() {
-        let code = got.get(i).copied().unwrap_or(i64::MIN);
-        if code == o.bytes() as i64 {
-            // SAFETY: the header slot lies in `fetch_headers`; the payload pieces are slots reserved by the
-            // plan's ticket or scratch pages, and the get that wrote them has returned.
-            let checked = unsafe {
-                let header = &*(o.pieces[0].0 as *const [u8; HEADER_BYTES]);
-                format.check(header, o.chain_key, o.kind, &payload_of(o))
-            };
-            if let Err(why) = checked {
-                v.rejected.push((i, why));
+/// What a write-behind put did: objects planned, those the Store had, and those not stored (key, code).
+#[derive(Clone, Debug, Default)]
+pub struct PutReport {
+    pub objects: usize,
+    pub present: usize,
+    pub failed: Vec<(String, i64)>,
+}
+
+/// How a fetch ended.
+#[derive(Clone, Debug)]
+pub enum Fetched {
+    /// Nothing to fetch: nothing usable in the Store, no room on the host, or nothing to ask.
+    Miss,
+    /// The exists() call failed.
+    Failed(Failure),
+    /// Every object checked: the slots are ready.
+    Admitted { pages: usize, states: usize, bytes: usize },
+    /// Some object was not read (`lost`: the code), missing, or wrong (`rejected`: why, and whether it was
+    /// removed): none of the fetch is served.
+    Refused { missing: Vec<String>, lost: Vec<(String, i64)>, rejected: Vec<(String, Reject, bool)> },
+}
+
+/// What a fetch reports: how it ended and the seconds its exists() and get calls took.
+#[derive(Clone, Debug)]
+pub struct FetchReport {
+    pub fetched: Fetched,
+    pub exists_s: f64,
+    pub get_s: f64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Tier<'_> {
+    /// The write-behind of what a store made ready: plans, puts through the object path, records the groups
+    /// stored as "STORAGE" events, forgets what was not stored (or was present, unchecked), releases the hold.
+    /// None when there was nothing new to put.
+    pub fn put(&self, store: &dyn Store, ready: &Ready) -> Result<Option<PutReport>> {
+        let plan = {
+            let mut planner = lock(self.planner);
+            match planner.plan_put(&mut lock(self.index), ready)? {
+                Some(plan) => plan,
+                None => return Ok(None),
             }
-        } else if code >= 0 || code == WRONG_LENGTH || code == -600 {
-            v.rejected.push((i, Reject::Length(code))); // -600: Mooncake's "buffer too small", a long value
-        } else {
-            v.lost.push((i, code));
+        };
+        let outcomes = self.path.put(store, &plan.named.format, &plan.objects);
+        let failed_call = outcomes.as_ref().err().cloned();
+        let outcomes = outcomes.unwrap_or_else(|_| vec![PutOutcome::Failed(0); plan.objects.len()]);
+        let (stored, not): (Vec<_>, Vec<_>) =
+            plan.objects.iter().zip(&outcomes).partition(|(_, o)| **o == PutOutcome::Stored);
+        lock(self.planner).unsee(not.iter().map(|(o, _)| *o));
+        let mut ix = lock(self.index);
+        ix.record_storage(false, stored.iter().flat_map(|(o, _)| o.pages.iter().copied()).collect());
+        ix.complete(plan.ticket)?;
+        drop(ix);
+        if let Some(e) = failed_call {
+            return Err(e);
         }
+        let present = not.iter().filter(|(_, o)| **o == PutOutcome::Present).count();
+        let failed = not
+            .iter()
+            .filter_map(|(o, out)| match out {
+                PutOutcome::Failed(code) => Some((o.key.clone(), *code)),
+                _ => None,
+            })
+            .collect();
+        Ok(Some(PutReport { objects: plan.objects.len(), present, failed }))
     }
-    v
-}
 
-/// The payload pieces of an object as byte slices.
-///
-/// # Safety
-/// Every piece after the header must be readable memory of its length for the lifetime of the result.
-unsafe fn payload_of(o: &Object) -> Vec<&[u8]> {
-    o.pieces[1..].iter().map(|&(p, n)| std::slice::from_raw_parts(p as *const u8, n)).collect()
+    /// The request's fetch: probes from its last lookup, asks the Store which objects exist, plans and reserves,
+    /// gets and checks through the object path; the slots become ready only when every object checked, else they
+    /// are freed, what was not loaded is forgotten, and what is known gone becomes "STORAGE" removed events.
+    pub fn fetch(&self, store: &dyn Store, request_id: &str) -> Result<FetchReport> {
+        let report = |fetched, exists_s, get_s| Ok(FetchReport { fetched, exists_s, get_s });
+        let Some(probe) = lock(self.planner).probe(&lock(self.index), request_id) else {
+            return report(Fetched::Miss, 0.0, 0.0);
+        };
+        let t0 = Instant::now();
+        let codes = store.exists(&probe.exists_keys);
+        let exists_s = t0.elapsed().as_secs_f64();
+        let codes = match codes {
+            Ok(c) => c,
+            Err(f) => return report(Fetched::Failed(f), exists_s, 0.0),
+        };
+        let plan = {
+            let mut planner = lock(self.planner);
+            match planner.plan_fetch(&mut lock(self.index), &probe, &codes)? {
+                Some(plan) => plan,
+                None => return report(Fetched::Miss, exists_s, 0.0),
+            }
+        };
+        let t1 = Instant::now();
+        let outcomes = self.path.get(store, &plan.named.format, &plan.objects);
+        let get_s = t1.elapsed().as_secs_f64();
+        let outcomes = match outcomes {
+            Ok(out) => out,
+            Err(e) => {
+                lock(self.planner).unsee(&plan.objects);
+                lock(self.index).abort(plan.ticket)?;
+                return Err(e);
+            }
+        };
+        if outcomes.iter().all(|o| *o == GetOutcome::Loaded) {
+            lock(self.index).complete(plan.ticket)?;
+            let bytes = plan.objects.iter().map(Object::bytes).sum();
+            return report(Fetched::Admitted { pages: plan.pages, states: plan.states, bytes }, exists_s, get_s);
+        }
+        let (mut missing, mut lost, mut rejected, mut gone) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (o, out) in plan.objects.iter().zip(&outcomes) {
+            match out {
+                GetOutcome::Loaded => {}
+                GetOutcome::Missing => {
+                    missing.push(o.key.clone());
+                    gone.extend(o.pages.iter().copied());
+                }
+                GetOutcome::Lost(code) => lost.push((o.key.clone(), *code)),
+                GetOutcome::Rejected { why, removed } => {
+                    rejected.push((o.key.clone(), why.clone(), *removed));
+                    if *removed {
+                        gone.extend(o.pages.iter().copied());
+                    }
+                }
+            }
+        }
+        lock(self.planner)
+            .unsee(plan.objects.iter().zip(&outcomes).filter(|(_, o)| **o != GetOutcome::Loaded).map(|(o, _)| o));
+        let mut ix = lock(self.index);
+        ix.record_storage(true, gone);
+        ix.abort(plan.ticket)?;
+        report(Fetched::Refused { missing, lost, rejected }, exists_s, get_s)
+    }
 }
 
 #[cfg(test)]
@@ -613,17 +480,31 @@ mod tests {
     use super::*;
     use crate::chain::HashKind;
     use crate::index::Config;
+    use crate::l3path::test_store::MapStore;
+    use crate::l3path::{Answer, WRONG_LENGTH};
 
     struct Host {
         pages: Vec<u8>,
         states: Vec<u8>,
     }
 
-    fn setup(g: usize, page_slots: u32, state_slots: u32) -> (Index, Host, Planner) {
-        setup_wire(g, page_slots, state_slots, None)
+    struct Cache {
+        ix: Mutex<Index>,
+        host: Host,
+        planner: Mutex<Planner>,
+        path: ObjectPath,
     }
 
-    fn setup_wire(g: usize, page_slots: u32, state_slots: u32, staging: Option<usize>) -> (Index, Host, Planner) {
+    impl Cache {
+        fn tier(&self) -> Tier<'_> {
+            Tier { planner: &self.planner, index: &self.ix, path: &self.path }
+        }
+        fn ix(&self) -> MutexGuard<'_, Index> {
+            lock(&self.ix)
+        }
+    }
+
+    fn setup(g: usize, page_slots: u32, state_slots: u32, staging: Option<usize>) -> Cache {
         let cfg = Config {
             min_hit_tokens: 0,
             state_lookback_blocks: 8,
@@ -639,196 +520,163 @@ mod tests {
             state_base: host.states.as_ptr() as usize,
             state_bytes: 16,
         };
-        let p = Planner::new("fp", b"", g, layout, 1024, 16, 4, staging).unwrap();
-        (ix, host, p)
+        let planner = Planner::new("fp", b"", g, layout, 1024, 4).unwrap();
+        Cache { ix: Mutex::new(ix), host, planner: Mutex::new(planner), path: ObjectPath::new(staging).unwrap() }
     }
 
-    /// Copies a put's objects into a map, as a Store would keep them, through the planner's wire (batch by
-    /// batch).
-    fn put_all(p: &Planner, plan: &PutPlan) -> std::collections::HashMap<String, Vec<u8>> {
-        let mut out = std::collections::HashMap::new();
-        for (a, b) in p.batches(&plan.objects) {
-            let objects = &plan.objects[a..b];
-            for (o, wire) in objects.iter().zip(p.wire(objects, Transfer::Put)) {
-                // SAFETY: test buffers outlive the plan.
-                let bytes: Vec<u8> = wire
-                    .iter()
-                    .flat_map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec())
-                    .collect();
-                out.insert(o.key.clone(), bytes);
-            }
-        }
-        out
-    }
-
-    /// A fetch's gets through the planner's wire, batch by batch, each unstaged and checked: the codes and the
-    /// verdicts.
-    fn get_all(
-        p: &Planner,
-        plan: &FetchPlan,
-        store: &std::collections::HashMap<String, Vec<u8>>,
-    ) -> (Vec<i64>, Verdict) {
-        let (mut codes, mut verdict) = (Vec::new(), Verdict::default());
-        for (a, b) in p.batches(&plan.objects) {
-            let objects = &plan.objects[a..b];
-            let got: Vec<i64> = objects
-                .iter()
-                .zip(p.wire(objects, Transfer::Get))
-                .map(|(o, wire)| match store.get(&o.key) {
-                    Some(v) if v.len() == o.bytes() => {
-                        let mut at = 0;
-                        for &(p, n) in &wire {
-                            // SAFETY: test buffers outlive the plan.
-                            unsafe { std::ptr::copy_nonoverlapping(v[at..].as_ptr(), p as *mut u8, n) };
-                            at += n;
-                        }
-                        v.len() as i64
-                    }
-                    Some(_) => WRONG_LENGTH,
-                    None => -704,
-                })
-                .collect();
-            p.unstage(objects, &got);
-            let v = verify(p.format(), objects, &got);
-            verdict.rejected.extend(v.rejected.into_iter().map(|(i, why)| (a + i, why)));
-            verdict.lost.extend(v.lost.into_iter().map(|(i, code)| (a + i, code)));
-            codes.extend(got);
-        }
-        (codes, verdict)
-    }
-
-    /// Zero-copy and staged (with a staging buffer that holds two objects, so that a plan takes several batches).
-    #[test]
-    fn put_then_fetch_round_trips_and_rejects_tampering() {
-        for staging in [None, Some(2 * (HEADER_BYTES + 2 * 32))] {
-            round_trip(staging);
-        }
-    }
-
-    fn round_trip(staging: Option<usize>) {
-        let (mut ix, mut host, mut p) = setup_wire(2, 16, 4, staging);
-        assert_eq!(p.zero_copy(), staging.is_none());
-        let tokens: Vec<i32> = (0..33).collect();
-        let plan = ix.plan_store("a", b"", &tokens, 33).unwrap();
+    /// Stores a prompt's pages (page i filled with i + 1) and puts what became ready.
+    fn store_and_put(c: &mut Cache, store: &MapStore, rid: &str, tokens: &[i32]) -> (Ready, Option<PutReport>) {
+        let plan = c.ix().plan_store(rid, b"", tokens, tokens.len()).unwrap();
         for (i, &s) in plan.page_slots.iter().enumerate() {
-            host.pages[s as usize * 32..(s as usize + 1) * 32].fill(i as u8 + 1);
+            c.host.pages[s as usize * 32..(s as usize + 1) * 32].fill(i as u8 + 1);
         }
         for &s in &plan.state_slots {
-            host.states[s as usize * 16..(s as usize + 1) * 16].fill(0xee);
+            c.host.states[s as usize * 16..(s as usize + 1) * 16].fill(0xee);
         }
-        let ready = ix.complete(plan.ticket).unwrap().unwrap();
-        assert_eq!(ready.page_keys.len(), 8);
-        assert_eq!(ready.state_pages, vec![8, 7, 6, 5, 4, 3, 2, 1][..4].to_vec());
-        let put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
-        assert_eq!(put.objects.len(), 4 + 2, "4 groups, states at pages 8 and 6");
-        assert_eq!(p.batches(&put.objects).len(), if staging.is_some() { 3 } else { 1 });
-        seal(p.format(), &put);
-        let mut store = put_all(&p, &put);
-        ix.complete(put.ticket).unwrap();
-        assert!(p.plan_put(&mut ix, &ready).unwrap().is_none(), "seen");
-        ix.check().unwrap();
-
-        // A second cache over the same planner format reads them back.
-        let (mut ix2, host2, mut p2) = setup_wire(2, 16, 4, staging);
-        ix2.lookup("b", b"", &tokens).unwrap();
-        let probe = p2.probe(&ix2, "b").unwrap();
-        let codes: Vec<i64> = probe.exists_keys.iter().map(|k| i64::from(store.contains_key(k))).collect();
-        let fetch = p2.plan_fetch(&mut ix2, &probe, &codes).unwrap().unwrap();
-        assert_eq!((fetch.pages, fetch.states), (8, 1));
-        assert!(get_all(&p2, &fetch, &store).1.admitted());
-        ix2.complete(fetch.ticket).unwrap();
-        assert_eq!(ix2.lookup("b", b"", &tokens).unwrap().hit_tokens, 32);
-        assert_eq!(host2.pages[..32], [1u8; 32], "page 0's bytes arrived");
-
-        // Tampered values: one bit flipped, a short value; both rejected, the ticket aborted.
-        let (mut ix3, _host3, mut p3) = setup_wire(2, 16, 4, staging);
-        let first = fetch.objects[0].key.clone();
-        store.get_mut(&first).unwrap()[HEADER_BYTES + 3] ^= 1;
-        let last = fetch.objects[3].key.clone();
-        store.get_mut(&last).unwrap().pop();
-        ix3.lookup("c", b"", &tokens).unwrap();
-        let probe = p3.probe(&ix3, "c").unwrap();
-        let codes: Vec<i64> = probe.exists_keys.iter().map(|k| i64::from(store.contains_key(k))).collect();
-        let fetch = p3.plan_fetch(&mut ix3, &probe, &codes).unwrap().unwrap();
-        let (_, v) = get_all(&p3, &fetch, &store);
-        assert_eq!(v.rejected.len(), 2, "{v:?}");
-        assert_eq!(v.rejected[0].1, Reject::Digest);
-        assert_eq!(v.rejected[1].1, Reject::Length(WRONG_LENGTH));
-        ix3.abort(fetch.ticket).unwrap();
-        assert_eq!(ix3.pages().used(), 0);
-        ix3.check().unwrap();
+        let ready = c.ix().complete(plan.ticket).unwrap().unwrap();
+        let put = c.tier().put(store, &ready).unwrap();
+        (ready, put)
     }
 
-    /// Staged, the bytes checked are the copy out of the staging buffer: a peer writing the staging buffer after
-    /// the get cannot change what is served, and what it writes before the check is caught.
+    fn fetch(c: &Cache, store: &MapStore, rid: &str, tokens: &[i32]) -> Fetched {
+        c.ix().lookup(rid, b"", tokens).unwrap();
+        c.tier().fetch(store, rid).unwrap().fetched
+    }
+
+    /// Zero-copy and staged (a staging buffer of two objects, so that a plan takes several Store calls).
     #[test]
-    fn a_staged_fetch_checks_and_serves_its_private_copy() {
-        let staging = Some(4 * (HEADER_BYTES + 2 * 32));
-        let (mut ix, mut host, mut p) = setup_wire(2, 16, 0, staging);
+    fn put_then_fetch_round_trips_and_rejects_tampering() {
+        for staging in [None, Some(2 * (crate::l3::HEADER_BYTES + 2 * 32))] {
+            let store = MapStore::default();
+            let mut a = setup(2, 16, 4, staging);
+            let tokens: Vec<i32> = (0..33).collect();
+            let (ready, put) = store_and_put(&mut a, &store, "a", &tokens);
+            let put = put.unwrap();
+            assert_eq!((put.objects, put.present, put.failed.len()), (4 + 2, 0, 0), "4 groups, states at 8 and 6");
+            assert!(a.tier().put(&store, &ready).unwrap().is_none(), "seen");
+            a.ix().check().unwrap();
+            let ix = a.ix();
+            assert_eq!(ix.pages().used(), ix.pages().evictable(), "no hold is left");
+            drop(ix);
+
+            let b = setup(2, 16, 4, staging);
+            let Fetched::Admitted { pages, states, .. } = fetch(&b, &store, "b", &tokens) else { panic!() };
+            assert_eq!((pages, states), (8, 1));
+            assert_eq!(b.ix().lookup("b", b"", &tokens).unwrap().hit_tokens, 32);
+            assert_eq!(b.host.pages[..32], [1u8; 32], "page 0's bytes arrived");
+
+            // One bit flipped, a short value: both rejected and removed, nothing admitted.
+            let c = setup(2, 16, 4, staging);
+            let keys: Vec<String> = {
+                let p = lock(&c.planner);
+                let chain = a.ix().keys("a").unwrap().to_vec();
+                vec![p.group_key(chain[1]), p.group_key(chain[7])]
+            };
+            store.values.borrow_mut().get_mut(&keys[0]).unwrap()[crate::l3::HEADER_BYTES + 3] ^= 1;
+            store.values.borrow_mut().get_mut(&keys[1]).unwrap().pop();
+            let Fetched::Refused { rejected, .. } = fetch(&c, &store, "c", &tokens) else { panic!() };
+            assert_eq!(rejected.len(), 2, "{rejected:?}");
+            assert_eq!((rejected[0].1.clone(), rejected[0].2), (Reject::Digest, true));
+            assert_eq!(rejected[1].1, Reject::Length(WRONG_LENGTH));
+            assert_eq!(c.ix().pages().used(), 0);
+            c.ix().check().unwrap();
+        }
+    }
+
+    /// Transient codes never remove an object, and the fetch is simply not served.
+    #[test]
+    fn a_transient_code_removes_nothing() {
+        let store = MapStore::default();
+        let mut a = setup(2, 16, 0, None);
         let tokens: Vec<i32> = (0..17).collect();
-        let plan = ix.plan_store("a", b"", &tokens, 17).unwrap();
-        for &s in &plan.page_slots {
-            host.pages[s as usize * 32..(s as usize + 1) * 32].fill(7);
+        store_and_put(&mut a, &store, "a", &tokens);
+        let n = store.values.borrow().len();
+        for code in [-800, -707, -900, crate::l3path::RPC_TIMEOUT] {
+            for k in store.values.borrow().keys() {
+                store.answer.borrow_mut().insert(k.clone(), code);
+            }
+            let b = setup(2, 16, 0, None);
+            let Fetched::Refused { lost, rejected, .. } = fetch(&b, &store, "b", &tokens) else { panic!() };
+            assert!(rejected.is_empty() && lost.iter().all(|l| l.1 == code), "{lost:?}");
+            assert!(store.removed.borrow().is_empty() && store.values.borrow().len() == n);
+            b.ix().check().unwrap();
         }
-        let ready = ix.complete(plan.ticket).unwrap().unwrap();
-        let put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
-        seal(p.format(), &put);
-        let store = put_all(&p, &put);
-        ix.complete(put.ticket).unwrap();
-
-        let (mut ix2, host2, mut p2) = setup_wire(2, 16, 0, staging);
-        ix2.lookup("b", b"", &tokens).unwrap();
-        let probe = p2.probe(&ix2, "b").unwrap();
-        let fetch = p2.plan_fetch(&mut ix2, &probe, &[1, 1]).unwrap().unwrap();
-        let wire = p2.wire(&fetch.objects, Transfer::Get);
-        let got: Vec<i64> = fetch
-            .objects
-            .iter()
-            .zip(&wire)
-            .map(|(o, w)| {
-                // SAFETY: test buffers outlive the plan; one staging range an object.
-                unsafe { std::ptr::copy_nonoverlapping(store[&o.key].as_ptr(), w[0].0 as *mut u8, w[0].1) };
-                o.bytes() as i64
-            })
-            .collect();
-        p2.unstage(&fetch.objects, &got);
-        // A peer scribbles over the staging buffer after the copy out: the check and the host slots do not see it.
-        // SAFETY: the first staging range is the planner's buffer.
-        unsafe { std::ptr::write_bytes(wire[0][0].0 as *mut u8, 0xee, wire[0][0].1) };
-        assert!(verify(p2.format(), &fetch.objects, &got).admitted());
-        ix2.complete(fetch.ticket).unwrap();
-        assert!(host2.pages[..4 * 32].iter().all(|&b| b == 7));
-        assert!(p2.buffers().iter().all(|&(a, _)| a != host2.pages.as_ptr() as usize), "host pools not registered");
     }
 
+    /// A model-version change at any point of a fetch: the fetch checks its objects under the version it was
+    /// planned for, so no genuine object of either version is rejected or removed.
     #[test]
-    fn staging_must_hold_the_largest_object() {
-        let layout = HostLayout { page_base: 64, page_bytes: 32, state_base: 64, state_bytes: 1000 };
-        let err = Planner::new("fp", b"", 2, layout, 16, 4, 4, Some(HEADER_BYTES + 64)).unwrap_err();
-        assert!(err.to_string().contains("l3_staging_bytes") && err.to_string().contains("1080"), "{err}");
+    fn a_version_change_during_a_fetch_removes_no_genuine_object() {
+        let tokens: Vec<i32> = (0..17).collect();
+        for when in ["before_exists", "before_get"] {
+            let store = MapStore::default();
+            let mut a = setup(2, 16, 0, None);
+            let (ready, _) = store_and_put(&mut a, &store, "a", &tokens);
+            lock(&a.planner).set_fingerprint("fp2").unwrap();
+            a.tier().put(&store, &ready).unwrap(); // the new version's objects too
+            assert_eq!(store.values.borrow().len(), 4);
+
+            struct Changing<'a> {
+                inner: &'a MapStore,
+                planner: &'a Mutex<Planner>,
+                when: &'a str,
+            }
+            impl Store for Changing<'_> {
+                fn exists(&self, keys: &[String]) -> Answer {
+                    if self.when == "before_exists" {
+                        lock(self.planner).set_fingerprint("fp2").unwrap();
+                    }
+                    self.inner.exists(keys)
+                }
+                fn put(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
+                    self.inner.put(keys, pieces)
+                }
+                fn get(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
+                    if self.when == "before_get" {
+                        lock(self.planner).set_fingerprint("fp2").unwrap();
+                    }
+                    self.inner.get(keys, pieces)
+                }
+                fn remove(&self, key: &str) -> std::result::Result<i64, Failure> {
+                    self.inner.remove(key)
+                }
+            }
+            let b = setup(2, 16, 0, None);
+            b.ix().lookup("b", b"", &tokens).unwrap();
+            let changing = Changing { inner: &store, planner: &b.planner, when };
+            let got = b.tier().fetch(&changing, "b").unwrap().fetched;
+            assert!(matches!(got, Fetched::Admitted { .. }), "{when}: {got:?}");
+            assert!(store.removed.borrow().is_empty(), "{when}");
+            assert_eq!(store.values.borrow().len(), 4);
+        }
     }
 
     /// An object the Store holds already is not remembered as seen: it may be a forgery, and once a reader
     /// rejects and removes it the next store of it puts the right bytes.
     #[test]
     fn present_objects_are_put_again_once_removed() {
-        let (mut ix, _host, mut p) = setup(2, 16, 0);
+        let store = MapStore::default();
+        let mut a = setup(2, 16, 0, None);
         let tokens: Vec<i32> = (0..17).collect();
-        let plan = ix.plan_store("a", b"", &tokens, 17).unwrap();
-        let ready = ix.complete(plan.ticket).unwrap().unwrap();
-        let mut put = p.plan_put(&mut ix, &ready).unwrap().unwrap();
-        assert_eq!(p.drop_present(&mut put, &[1, 1]), 2);
-        ix.complete(put.ticket).unwrap();
-        let again = p.plan_put(&mut ix, &ready).unwrap().expect("present objects are put again when asked");
-        assert_eq!(again.objects.len(), 2);
-        ix.complete(again.ticket).unwrap();
-        assert!(p.plan_put(&mut ix, &ready).unwrap().is_none(), "objects this cache sent are remembered");
-        ix.check().unwrap();
+        store_and_put(&mut a, &store, "a", &tokens);
+        let mut b = setup(2, 16, 0, None);
+        let put = store_and_put(&mut b, &store, "b", &tokens).1.unwrap();
+        assert_eq!((put.objects, put.present), (2, 2));
+        let key = store.values.borrow().keys().next().unwrap().clone();
+        store.values.borrow_mut().get_mut(&key).unwrap().push(0);
+        let mut c = setup(2, 16, 0, None);
+        assert!(matches!(fetch(&c, &store, "c", &tokens), Fetched::Refused { .. }));
+        assert!(!store.values.borrow().contains_key(&key), "removed");
+        // The object that checked is remembered; the removed one is put again.
+        let again = store_and_put(&mut c, &store, "c2", &tokens).1.unwrap();
+        assert_eq!((again.objects, again.present, again.failed.len()), (1, 0, 0));
+        assert!(matches!(fetch(&setup(2, 16, 0, None), &store, "d", &tokens), Fetched::Admitted { .. }));
     }
 
     #[test]
     fn ready_names_only_the_run_from_page_zero_that_the_store_covered() {
-        let (mut ix, _host, _p) = setup(2, 16, 0);
+        let c = setup(2, 16, 0, None);
+        let mut ix = c.ix();
         let tokens: Vec<i32> = (0..25).collect();
         let first = ix.plan_store("a", b"", &tokens[..13], 13).unwrap();
         // Pages 0..3 are being filled by the first store: the second one holds none of them, so it names none.
@@ -844,7 +692,9 @@ mod tests {
 
     #[test]
     fn fetch_snaps_to_the_deepest_group_end_with_a_state_and_reads_present_pages_into_scratch() {
-        let (mut ix, _host, mut p) = setup(2, 16, 4);
+        let c = setup(2, 16, 4, None);
+        let mut ix = c.ix();
+        let mut p = lock(&c.planner);
         let tokens: Vec<i32> = (0..33).collect();
         ix.lookup("a", b"", &tokens).unwrap();
         // Page 0 on the host already: group 0 is read whole, page 0 into scratch.
@@ -858,7 +708,7 @@ mod tests {
         let plan = p.plan_fetch(&mut ix, &probe, &codes).unwrap().unwrap();
         assert_eq!(plan.objects.len(), 3, "two groups and the state");
         assert_eq!((plan.pages, plan.states), (3, 1));
-        assert_eq!(plan.objects[0].pieces[1].0, p.scratch.addr());
+        assert_eq!(plan.objects[0].pieces[0].0, p.scratch().0);
         ix.abort(plan.ticket).unwrap();
         ix.check().unwrap();
         assert!(p.probe(&ix, "unknown").is_none());

@@ -10,6 +10,7 @@ pub mod executor;
 pub mod hostmem;
 pub mod index;
 pub mod l3;
+pub mod l3path;
 pub mod l3plan;
 pub mod order;
 pub mod par;

@@ -3,6 +3,8 @@ a crash, and the cache still serves correct hits afterwards."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -409,6 +411,47 @@ def test_calls_after_close_are_no_ops():
     c.poll()
     assert c.lookup("r", list(range(64))) == 0
     assert c.stats()["pages_stored"] == 0
+
+
+def test_close_during_calls_on_other_threads_raises_nothing_into_them():
+    """Engine threads store, resume, poll, look up and forget while another thread closes the cache: no call
+    raises, and every call after close() is a no-op."""
+    import threading
+
+    e = engine()
+    prompt = list(range(64))
+    for rnd in range(12):
+        c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes=4 << 20, preallocate=True)
+        raised: list[BaseException] = []
+        go = threading.Barrier(4)
+
+        def calls(
+            k: int, c: HostPrefixCache = c, go: threading.Barrier = go, raised: list[BaseException] = raised
+        ) -> None:
+            go.wait()
+            try:
+                for i in range(300):
+                    rid = f"t{k}-{i}"
+                    c.resume(rid, prompt, allocate=lambda: [0, 1, 2, 3])
+                    c.store(rid, prompt, [0, 1, 2, 3])
+                    c.poll()
+                    c.lookup(rid, prompt)
+                    c.release([0, 1])
+                    c.forget(rid)
+            except BaseException as x:  # noqa: BLE001 - what the test looks for
+                raised.append(x)
+
+        threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        go.wait()
+        time.sleep(0.002 * rnd)
+        c.close()
+        for t in threads:
+            t.join()
+        assert not raised, f"round {rnd}: {raised[0]!r}"
+        assert c.resume("after", prompt, allocate=lambda: [0, 1, 2, 3]) == 0
+        assert c.stats()["errors"] == 0
 
 
 def test_block_tables_of_any_integer_width_are_fine():

@@ -34,7 +34,7 @@ import torch
 from kvtier import Index, KvEvent
 from kvtier._core import Cache as CoreCache
 from kvtier.copy import HostPool, PageCopier
-from kvtier.failures import CALLER_ERRORS, Failures, guarded
+from kvtier.failures import CALLER_ERRORS, Calls, Failures, guarded
 from kvtier.geometry import Geometry
 from kvtier.hostmem import HostMemory
 from kvtier.settings import CacheSettings
@@ -53,6 +53,9 @@ def _abandon_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_abandon_in_child)
+
+# How long close() waits for engine calls running on other threads (a call is bounded: it never waits for the Store).
+_CLOSE_WAIT_S = 30.0
 
 StateFn = Callable[[Any, int, torch.Tensor], None]
 BlockTable = Sequence[int] | np.ndarray | torch.Tensor
@@ -122,7 +125,9 @@ class HostPrefixCache:
         if s.model_version is not None:
             self.index.set_model_version(s.model_version)
         self.failures = Failures(s.max_errors, on_failure=self.index.count_error)
-        self.closed = False  # after close(), engine-loop calls are no-ops: resume misses, store does nothing
+        # After close() began, engine-loop calls are no-ops (resume misses, store does nothing); close() waits for
+        # the calls running on other threads before it frees anything.
+        self.calls = Calls()
         self._told_pinning = False
         self._lock = threading.Lock()
         # The host pools are address space only until they grow (at the first store, or now with preallocate).
@@ -182,11 +187,16 @@ class HostPrefixCache:
         """In a child made by fork(): every call is a no-op and ``close()`` returns at once. The cache's memory,
         streams and Store client belong to the parent: they are kept as they are (never freed, unregistered or
         closed here)."""
-        self.closed = True
+        self.calls.closed = True
         if self._l3 is not None:
             self._l3.abandon()
         _ABANDONED.append(self)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))  # no teardown, even at interpreter exit
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` began: every engine-loop call is a no-op from then on."""
+        return self.calls.closed
 
     @property
     def host_pools(self) -> tuple[HostPool, HostPool | None]:
@@ -357,7 +367,10 @@ class HostPrefixCache:
 
     def _order(self, what: str, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Runs a GPU-side ordering call under the failure policy. If it fails, the host waits for the device
-        instead, so the engine never reads a block early nor rewrites one a store still reads."""
+        instead, so the engine never reads a block early nor rewrites one a store still reads. A no-op once closed
+        (``close()`` waited for every copy)."""
+        if not self.calls.enter():
+            return
         try:
             fn(*args, **kwargs)
         except CALLER_ERRORS:
@@ -366,12 +379,16 @@ class HostPrefixCache:
             self.failures.failed(what, e)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        finally:
+            self.calls.leave()
 
     def forget(self, request_id: str) -> None:
         """The request is gone: drop its cached chain (call it for every request, hit or not); the engine's stream
         waits (GPU-side) for the request's pending stores, so its blocks may be reused. Runs even when the cache
-        disabled itself, so that no chain is kept."""
+        disabled itself, so that no chain is kept; a no-op once closed."""
         _check_call(request_id, None)
+        if not self.calls.enter():
+            return
         try:
             self._core.forget(request_id, stream=self._stream())
             if self._l3 is not None:
@@ -380,6 +397,8 @@ class HostPrefixCache:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
             self.failures.failed("forget", e)
+        finally:
+            self.calls.leave()
 
     def set_model_version(self, version: str) -> None:
         """The engine updated its weights in place (an RL weight sync, a new checkpoint): nothing stored under the
@@ -415,16 +434,19 @@ class HostPrefixCache:
         return out
 
     def close(self) -> None:
-        """Waits for copies in flight, stops pinning and releases the host pools."""
-        if self.closed:
+        """Waits for the engine calls running on other threads and the copies in flight, stops pinning and
+        releases the host pools. Idempotent."""
+        ended = self.calls.close(_CLOSE_WAIT_S)
+        if ended is None:
             return
-        self.closed = True
+        if not ended:
+            log.warning("engine calls still running after %.0f s: the host pools are not freed", _CLOSE_WAIT_S)
         self._core.drain()
         # L3: a native Store call may still use the host pools; leaking them is safer than freeing them.
-        free = self._l3 is None or self._l3.close()
-        if not free:
+        l3_stopped = self._l3 is None or self._l3.close()
+        if not l3_stopped:
             log.warning("the L3 store did not stop in time; the host pools are not freed")
-        self._host.close(free=free)
+        self._host.close(free=ended and l3_stopped)
 
     @property
     def disabled(self) -> bool:

@@ -64,22 +64,58 @@ class Failures:
                 log.error("the host prefix cache disables itself: %s", reason)
 
 
+class Calls:
+    """The engine calls running now, so that closing never tears anything down under one: a call that begins
+    after ``close`` began is refused (``enter`` is False) and ``close`` waits for those running to end. A call
+    that closes its own cache (from an engine callback) is not waited for."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._running = 0
+        self._cond = threading.Condition()
+        self._mine = threading.local()
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self.closed:
+                return False
+            self._running += 1
+        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+        return True
+
+    def leave(self) -> None:
+        self._mine.depth -= 1
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float | None = None) -> bool | None:
+        """Refuses new calls and waits for the running ones (other threads'); returns whether they ended, or None
+        when it was closed already."""
+        with self._cond:
+            if self.closed:
+                return None
+            self.closed = True
+            own = getattr(self._mine, "depth", 0)
+            return self._cond.wait_for(lambda: self._running <= own, timeout_s)
+
+
 class Guarded(Protocol):
-    closed: bool
+    calls: Calls
     failures: Failures
 
 
 def guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Runs a method of a ``Guarded`` object under the policy: ``default`` once it is closed or disabled; a
-    caller's bad argument raises and counts nothing; any other error is counted, logged and answered with
-    ``default``, never raised."""
+    """Runs a method of a ``Guarded`` object under the policy: ``default`` once it is closed (or closing) or
+    disabled; a caller's bad argument raises and counts nothing; any other error is counted, logged and answered
+    with ``default``, never raised."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         where = fn.__name__.lstrip("_")
 
         @functools.wraps(fn)
         def call(self: Guarded, *args: Any, **kwargs: Any) -> T:
-            if self.closed or self.failures.disabled:
+            if self.failures.disabled or not self.calls.enter():
                 return default
             try:
                 return fn(self, *args, **kwargs)
@@ -88,6 +124,8 @@ def guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
             except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
                 self.failures.failed(where, e)
                 return default
+            finally:
+                self.calls.leave()
 
         return call
 

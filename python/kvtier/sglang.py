@@ -61,10 +61,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
+from kvtier._core import L3_HEADER_BYTES, ObjectFormat, ObjectPath, Outcome, fingerprint
 from kvtier.identity import Shard, layout_fields
-from kvtier.l3.errors import L3Error, L3Timeout
-from kvtier.l3.store import OBJECT_NOT_FOUND, WRONG_LENGTH, HostBuffer, MooncakeStore, Store, StoreConfig
+from kvtier.l3.errors import L3Error
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.sglang")
@@ -95,22 +95,6 @@ SETTINGS_READ = (
     "l3_zero_copy",
     "l3_staging_bytes",
     "l3_trusted_store",
-)
-# Objects one Store call moves at most (SGLang's HiCache batches 128 pages).
-HEADER_SLOTS = 256
-
-COUNTERS = (
-    "pages_put",
-    "pages_present",
-    "puts_failed",
-    "bytes_put",
-    "pages_loaded",
-    "bytes_loaded",
-    "misses",
-    "lost",
-    "rejected",
-    "rejected_removed",
-    "store_errors",
 )
 
 Pieces = list[list[tuple[int, int]]]
@@ -297,25 +281,15 @@ class KvtierStore(HiCacheStorage):
         self.zero_copy = bool(s.l3_zero_copy)
         # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
         self._pools: dict[str, RegisteredPool] = {}
+        # The object paths (rust/l3path.rs): staged, through two staging buffers of their own, the only memory
+        # registered; zero-copy straight from and into the registered host pools. Each made and registered when
+        # first needed (zero-copy, the staged one only if a deprecated call comes); the lock orders that.
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(COUNTERS, 0)
-        # One set of header slots and one staging buffer per direction: SGLang's backup and prefetch threads run
-        # at once, and each direction's lock orders the calls that use them.
-        self._put_lock = threading.Lock()
-        self._get_lock = threading.Lock()
-        self._headers = {d: HostBuffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
-        # Made (and registered) when first needed: at once when staged, never in zero-copy mode unless one of the
-        # deprecated tensor or pointer calls comes.
-        self._staging: dict[str, HostBuffer] = {}
+        self._paths: dict[bool, ObjectPath] = {}
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         self._registered: list[int] = []
         try:
-            if self.zero_copy:
-                for b in self._headers.values():
-                    self._register(b.addr, b.nbytes)
-            else:
-                for d in ("put", "get"):
-                    self._staging_buffer(d)
+            self._path(staged=not self.zero_copy)
         except BaseException:
             self.close()
             raise
@@ -324,15 +298,16 @@ class KvtierStore(HiCacheStorage):
         self.store.register(ptr, nbytes)
         self._registered.append(ptr)
 
-    def _staging_buffer(self, direction: str) -> HostBuffer:
-        """The staging buffer of ``direction`` ("put" or "get"), registered with the Store; made on first use (with
-        that direction's lock held, or in the constructor)."""
-        buffer = self._staging.get(direction)
-        if buffer is None:
-            buffer = HostBuffer(self.settings.l3_staging_bytes)
-            self._register(buffer.addr, buffer.nbytes)
-            self._staging[direction] = buffer
-        return buffer
+    def _path(self, staged: bool) -> ObjectPath:
+        """The staged or zero-copy object path, its buffers registered with the Store."""
+        with self._lock:
+            path = self._paths.get(staged)
+            if path is None:
+                path = ObjectPath(staging_bytes=self.settings.l3_staging_bytes if staged else None)
+                for ptr, nbytes in path.buffers():
+                    self._register(ptr, nbytes)
+                self._paths[staged] = path
+            return path
 
     # Identity and the host pool
 
@@ -445,147 +420,35 @@ class KvtierStore(HiCacheStorage):
             raise ValueError("the host pool gave page pieces outside its buffers")
         return [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
 
-    # Moving objects
+    # Moving objects: the one object path does it all; a Store failure is an outcome, never an exception
 
-    def _count(self, **counts: int) -> None:
-        with self._lock:
-            for k, n in counts.items():
-                self._stats[k] += n
-
-    def _runs(self, pieces: Pieces, staged: bool) -> list[tuple[int, int]]:
-        """Consecutive objects one Store call moves: at most the header slots, and staged what the staging buffer
-        holds."""
-        cap = self.settings.l3_staging_bytes if staged else None
-        out, start, nbytes = [], 0, 0
-        for i, p in enumerate(pieces):
-            size = L3_HEADER_BYTES + sum(n for _, n in p)
-            if i > start and (i - start == HEADER_SLOTS or (cap is not None and nbytes + size > cap)):
-                out.append((start, i))
-                start, nbytes = i, 0
-            nbytes += size
-        if start < len(pieces):
-            out.append((start, len(pieces)))
-        return out
-
-    def _wait_out(self, e: L3Timeout) -> None:
-        """A Store call that timed out may still use its buffers: wait until it returned before reusing them."""
-        log.warning("kvtier SGLang backend: %s; waiting for it before its buffers are reused", e)
-        e.pending.exception()
+    def _moved(self, what: str, outcomes: list[Outcome]) -> list[bool]:
+        rejected = [o for o in outcomes if o.kind == "rejected"]
+        if rejected:
+            log.warning("kvtier SGLang backend: %d objects rejected, first: %s", len(rejected), rejected[0].reason)
+        failed = [o for o in outcomes if o.kind in ("failed", "lost")]
+        if failed:
+            log.info("kvtier SGLang backend: %s of %d pages not done, first code %s", what, len(failed), failed[0].code)
+        return [o.ok for o in outcomes]
 
     def _put(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
         """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
         present."""
-        keys = fmt.keys(list(hashes))
-        skeys = fmt.store_keys(keys)
         try:
-            present = self.store.exists_many(skeys)
+            path = self._path(staged)
         except L3Error as e:
-            log.warning("kvtier SGLang backend: exists before a put failed: %s", e)
-            self._count(store_errors=1, puts_failed=len(keys))
-            return [False] * len(keys)
-        done = [code == 1 for code in present]
-        todo = [i for i, code in enumerate(present) if code != 1]
-        self._count(pages_present=len(keys) - len(todo))
-        headers = self._headers["put"]
-        with self._put_lock:
-            try:
-                staging = self._staging_buffer("put") if staged else None
-            except L3Error as e:
-                log.warning("kvtier SGLang backend: registering the put staging buffer failed: %s", e)
-                self._count(store_errors=1, puts_failed=len(todo))
-                return done
-            for start, end in self._runs([pieces[i] for i in todo], staged):
-                run = todo[start:end]
-                ptrs = [[p for p, _ in pieces[i]] for i in run]
-                sizes = [[n for _, n in pieces[i]] for i in run]
-                fmt.seal(headers.addr, [keys[i] for i in run], ptrs, sizes)
-                wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
-                wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
-                if staging is not None:
-                    stage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes)
-                    wire_ptrs, wire_sizes = self._staged_wire(staging, wire_sizes)
-                try:
-                    codes = self.store.put_many([skeys[i] for i in run], wire_ptrs, wire_sizes)
-                except L3Error as e:
-                    if isinstance(e, L3Timeout):
-                        self._wait_out(e)
-                    log.warning("kvtier SGLang backend: put of %d pages failed: %s", len(run), e)
-                    self._count(store_errors=1, puts_failed=len(run))
-                    continue
-                for i, code in zip(run, codes, strict=True):
-                    done[i] = code == 0
-                stored = [s for code, s in zip(codes, wire_sizes, strict=True) if code == 0]
-                self._count(pages_put=len(stored), bytes_put=sum(map(sum, stored)), puts_failed=len(run) - len(stored))
-        return done
-
-    @staticmethod
-    def _staged_wire(staging: HostBuffer, wire_sizes: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
-        """Each object as one range of the staging buffer, one after another."""
-        ptrs, sizes, at = [], [], staging.addr
-        for s in wire_sizes:
-            ptrs.append([at])
-            sizes.append([sum(s)])
-            at += sum(s)
-        return ptrs, sizes
+            log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
+            return [False] * len(hashes)
+        return self._moved("put", path.put(self.store, fmt, list(hashes), pieces))
 
     def _get(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
         """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
-        keys = fmt.keys(list(hashes))
-        skeys = fmt.store_keys(keys)
-        ok = [False] * len(keys)
-        headers = self._headers["get"]
-        with self._get_lock:
-            try:
-                staging = self._staging_buffer("get") if staged else None
-            except L3Error as e:
-                log.warning("kvtier SGLang backend: registering the get staging buffer failed: %s", e)
-                self._count(store_errors=1)
-                return ok
-            for start, end in self._runs(pieces, staged):
-                ptrs = [[p for p, _ in pieces[i]] for i in range(start, end)]
-                sizes = [[n for _, n in pieces[i]] for i in range(start, end)]
-                wire_ptrs = [[headers.addr + j * L3_HEADER_BYTES, *p] for j, p in enumerate(ptrs)]
-                wire_sizes = [[L3_HEADER_BYTES, *s] for s in sizes]
-                call_ptrs, call_sizes = (
-                    self._staged_wire(staging, wire_sizes) if staging is not None else (wire_ptrs, wire_sizes)
-                )
-                try:
-                    got = self.store.get_many(skeys[start:end], call_ptrs, call_sizes)
-                except L3Error as e:
-                    if isinstance(e, L3Timeout):
-                        self._wait_out(e)
-                    log.warning("kvtier SGLang backend: get of %d pages failed: %s", end - start, e)
-                    self._count(store_errors=1)
-                    continue
-                if staging is not None:
-                    unstage_objects(staging.addr, staging.nbytes, wire_ptrs, wire_sizes, got)
-                verdicts = fmt.check(headers.addr, keys[start:end], ptrs, sizes, got)
-                self._judge(skeys[start:end], got, verdicts, ok, start)
-        return ok
-
-    def _judge(self, skeys: list[str], got: list[int], verdicts: list[str | None], ok: list[bool], at: int) -> None:
-        rejected = []
-        for j, (code, why) in enumerate(zip(got, verdicts, strict=True)):
-            if why is None:
-                ok[at + j] = True
-                self._count(pages_loaded=1, bytes_loaded=code)
-            elif code == OBJECT_NOT_FOUND:
-                self._count(misses=1)
-            elif code < 0 and code != WRONG_LENGTH:
-                self._count(lost=1)
-            else:
-                rejected.append((skeys[j], why))
-        if not rejected:
-            return
-        self._count(rejected=len(rejected))
-        log.warning("kvtier SGLang backend: %d objects rejected, first %s: %s", len(rejected), *rejected[0])
-        for key, _ in rejected:
-            # Removed so that an honest writer can put the right bytes (the first writer wins otherwise).
-            try:
-                if self.store.remove(key, True) == 0:
-                    self._count(rejected_removed=1)
-            except L3Error as e:
-                log.info("kvtier SGLang backend: removing rejected object %s failed: %s", key, e)
+        try:
+            path = self._path(staged)
+        except L3Error as e:
+            log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
+            return [False] * len(hashes)
+        return self._moved("get", path.get(self.store, fmt, list(hashes), pieces))
 
     # HiCacheStorage: zero-copy calls on the registered host pool
 
@@ -612,7 +475,6 @@ class KvtierStore(HiCacheStorage):
             codes = self.store.exists_many(skeys)
         except L3Error as e:
             log.warning("kvtier SGLang backend: exists failed: %s", e)
-            self._count(store_errors=1)
             return [False] * len(skeys)
         return [code == 1 for code in codes]
 
@@ -722,10 +584,16 @@ class KvtierStore(HiCacheStorage):
     # Statistics and shutdown
 
     def stats(self) -> dict[str, int]:
-        """Counters: pages put, present, failed and loaded; ``rejected`` objects (failed their check, never served)
-        and how many of them were removed; ``misses`` (not in the Store), ``lost`` (other Store codes)."""
+        """The object paths' counters, named as kvtier's L3 statistics (``kvtier.STATS``): objects put, present,
+        failed, loaded, missing and lost; ``l3_rejected`` objects (failed their check, never served) and how many
+        of them were removed."""
+        out: dict[str, int] = {}
         with self._lock:
-            return {f"sglang_{k}": v for k, v in self._stats.items()}
+            paths = list(self._paths.values())
+        for path in paths:
+            for k, v in path.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def close(self) -> None:
         """Unregisters the buffers and closes the Store client. Idempotent."""

@@ -2,7 +2,7 @@
 
 Selected (vLLM 0.25.1 through 0.34) by the tiering spec's extra config::
 
-    {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ..., "secondary_tiers": [
+    {"spec_name": "KvtierTieringSpec", "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": ..., "secondary_tiers": [
         {"type": "KvtierMooncakeTier", "module_path": "kvtier.vllm",
          "l3_master": "10.0.0.5:50051", "model_version": "<checkpoint revision>", "hash_key": "<secret>"}]}
 
@@ -20,8 +20,8 @@ with Mooncake); ``get_finished_jobs`` returns what finished. ``lookup`` answers 
 found in the Store; a key it has not seen is answered RETRY and asked of the Store (``batch_is_exist``, one call for
 every key a scheduler step asked about, on the background thread), so objects that another instance, or this
 one before a restart, stored are found a step later; a key the Store does not have is MISS until the request that
-asked finishes.
-What it stores and drops comes out of ``take_events`` with medium STORAGE.
+asked finishes. What it stores and drops comes out of ``take_events`` with medium STORAGE (vLLM takes a tier's
+events from 0.28 on; before, none are recorded).
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, Reques
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 # isort: on
-from kvtier._core import L3_HEADER_BYTES, ObjectFormat, fingerprint, stage_objects, unstage_objects
+from kvtier._core import L3_HEADER_BYTES, ObjectFormat, ObjectPath, fingerprint
 from kvtier.identity import Shard, layout_fields
-from kvtier.l3.errors import L3Error, L3Timeout
-from kvtier.l3.store import OBJECT_NOT_FOUND, HostBuffer, MooncakeStore, Store, StoreConfig
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.vllm")
@@ -74,8 +73,6 @@ TIER_SETTINGS = (
     "hash_key",
 )
 VLLM_TIER_KEYS = frozenset({"locality", "module_path"})
-# Objects one Store call moves at most (header slots of a staging buffer).
-HEADER_SLOTS = 256
 
 
 def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
@@ -175,18 +172,18 @@ class KvtierMooncakeTier(SecondaryTierManager):
             )
         self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
         self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
-        self._headers = {d: HostBuffer(HEADER_SLOTS * L3_HEADER_BYTES) for d in ("put", "get")}
-        self._staging = {d: HostBuffer(s.l3_staging_bytes) for d in ("put", "get")}
+        # The one object path (rust/l3path.rs), staged: its staging buffers are the only memory registered.
+        self._path = ObjectPath(staging_bytes=s.l3_staging_bytes)
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         try:
-            for b in self._staging.values():
-                self.store.register(b.addr, b.nbytes)
+            for ptr, nbytes in self._path.buffers():
+                self.store.register(ptr, nbytes)
         except BaseException:
             self.store.close()
             raise
         self._present: set[bytes] = set()
-        # What the Store said of keys this process had not stored: True (there), False (not there), None (asked);
-        # the keys each request asked about, forgotten when it finishes, and those to ask at the step's end.
+        # What the Store said of keys this process had not stored: False (not there), None (asked); the keys each
+        # request asked about, forgotten when it finishes, and those to ask at the step's end.
         self._probed: dict[bytes, bool | None] = {}
         self._probe_requests: dict[str, set[bytes]] = {}
         self._to_probe: list[bytes] = []
@@ -197,9 +194,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
         # vLLM drains a tier's events (from 0.28 on) only when it publishes them; else they would pile up here.
         self._record_events = TIER_EVENTS and bool(getattr(events, "enable_kv_cache_events", False))
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self.counters = dict.fromkeys(
-            ("put", "present", "loaded", "missing", "rejected", "failed", "probed", "found"), 0
-        )
+        self._jobs_failed = 0
+        self._probes = {"probed": 0, "found": 0}
         self._thread = threading.Thread(target=self._serve, name="kvtier-vllm-tier", daemon=True)
         self._thread.start()
         # Also at interpreter exit, for a tier whose engine was never shut down: a vLLM process that exited with the
@@ -302,22 +298,36 @@ class KvtierMooncakeTier(SecondaryTierManager):
                     result = self._store(job) if kind == "store" else self._load(job)
                 except Exception:  # a tier failure is a failed job, never an exception in vLLM's scheduler
                     log.exception("KvtierMooncakeTier: job %d failed", job.job_id)
-                    self.counters["failed"] += 1
+                    self._jobs_failed += 1
                     result = {"success": False}
                 self._finished.append(job_result(job.job_id, transfer_time=time.perf_counter() - t0, **result))
             finally:
                 self._jobs.task_done()
 
+    def stats(self) -> dict[str, int]:
+        """The object path's counters, named as kvtier's L3 statistics (``kvtier.STATS``), and the jobs that
+        failed (``l3_errors``)."""
+        return {**self._path.stats(), "l3_errors": self._jobs_failed}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """``stats()`` under short names: put, present, loaded, missing, rejected, failed; and the keys asked of the
+        Store (probed) and found there."""
+        s = self.stats()
+        names = ("put", "present", "loaded", "missing", "rejected", "failed")
+        keys = ("l3_objects_put", "l3_puts_present", "l3_objects_loaded", "l3_objects_missing", "l3_rejected")
+        return {**dict(zip(names, [*(s[k] for k in keys), self._jobs_failed], strict=True)), **self._probes}
+
     def _probe(self, keys: list[bytes]) -> None:
         """Asks the Store which of ``keys`` it has; an error answers 'not there' (the request goes on without)."""
         try:
             codes = self.store.exists_many(self.store_keys(keys))
-        except Exception as e:  # noqa: BLE001 - a Store failure is a miss, never an exception in vLLM's scheduler
+        except Exception as e:  # a Store failure is a miss, never an exception in vLLM's scheduler
             log.warning("KvtierMooncakeTier: asking the Store about %d keys failed: %s", len(keys), e)
             codes = [0] * len(keys)
         found = [code == 1 for code in codes]
-        self.counters["probed"] += len(keys)
-        self.counters["found"] += sum(found)
+        self._probes["probed"] += len(keys)
+        self._probes["found"] += sum(found)
         with self._lock:
             for key, there in zip(keys, found, strict=True):
                 if there:
@@ -327,102 +337,47 @@ class KvtierMooncakeTier(SecondaryTierManager):
                 elif key in self._probed:
                     self._probed[key] = False
 
-    def _batches(self, n: int) -> Iterable[tuple[int, int]]:
-        per = max(1, min(HEADER_SLOTS, self.settings.l3_staging_bytes // self.object_bytes))
-        return ((i, min(i + per, n)) for i in range(0, n, per))
-
-    def _wire(self, headers: HostBuffer, chunks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        ptrs = [[headers.addr + j * L3_HEADER_BYTES, self._base + c * self._stride] for j, c in enumerate(chunks)]
-        sizes = [[L3_HEADER_BYTES, self._row_bytes] for _ in chunks]
-        return ptrs, sizes
-
-    def _staged(self, staging: HostBuffer, count: int) -> tuple[list[list[int]], list[list[int]]]:
-        return (
-            [[staging.addr + j * self.object_bytes] for j in range(count)],
-            [[self.object_bytes] for _ in range(count)],
-        )
+    def _pieces(self, job: Any) -> tuple[list[bytes], list[list[tuple[int, int]]]]:
+        """Each key of a job (vLLM's key bytes) and its chunk's row in vLLM's CPU tier as the object's payload."""
+        keys = [bytes(k) for k in job.keys]
+        rows = [[(self._base + int(c) * self._stride, self._row_bytes)] for c in np.asarray(job_chunk_ids(job))]
+        return keys, rows
 
     def _store(self, job: Any) -> dict[str, Any]:
-        keys = [bytes(k) for k in job.keys]
-        chunks = [int(c) for c in np.asarray(job_chunk_ids(job))]
-        fkeys = self._format.keys([k.hex() for k in keys])
-        skeys = self._format.store_keys(fkeys)
-        present = self.store.exists_many(skeys)
-        ok = [code == 1 for code in present]
-        self.counters["present"] += sum(ok)
-        todo = [i for i, code in enumerate(present) if code != 1]
-        headers, staging = self._headers["put"], self._staging["put"]
-        moved = 0
-        for start, end in self._batches(len(todo)):
-            run = todo[start:end]
-            ptrs, sizes = self._wire(headers, [chunks[i] for i in run])
-            self._format.seal(headers.addr, [fkeys[i] for i in run], [p[1:] for p in ptrs], [s[1:] for s in sizes])
-            stage_objects(staging.addr, staging.nbytes, ptrs, sizes)
-            call_ptrs, call_sizes = self._staged(staging, len(run))
-            try:
-                codes = self.store.put_many([skeys[i] for i in run], call_ptrs, call_sizes)
-            except L3Error as e:
-                if isinstance(e, L3Timeout):
-                    e.pending.exception()  # its buffers are in use until the call returns
-                log.warning("KvtierMooncakeTier: put of %d chunks failed: %s", len(run), e)
-                continue
-            for i, code in zip(run, codes, strict=True):
-                ok[i] = code == 0
-                moved += self.object_bytes if code == 0 else 0
-                self.counters["put"] += int(code == 0)
-        stored = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
+        keys, rows = self._pieces(job)
+        outcomes = self._path.put(self.store, self._format, [k.hex() for k in keys], rows)
+        stored = [OffloadKey(k) for k, o in zip(keys, outcomes, strict=True) if o.ok]
         with self._lock:
             self._present.update(stored)
         if stored and self._record_events:
             self._events.append(offloading_event(stored, MEDIUM_STORAGE, False))
-        return {"success": all(ok), "successful_keys": None, "transfer_bytes": moved}
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            log.warning(
+                "KvtierMooncakeTier: %d of %d chunks not stored, first code %s", len(failed), len(keys), failed[0].code
+            )
+        moved = self.object_bytes * sum(o.kind == "stored" for o in outcomes)
+        return {"success": not failed, "successful_keys": None, "transfer_bytes": moved}
 
     def _load(self, job: Any) -> dict[str, Any]:
-        keys = [bytes(k) for k in job.keys]
-        chunks = [int(c) for c in np.asarray(job_chunk_ids(job))]
-        fkeys = self._format.keys([k.hex() for k in keys])
-        skeys = self._format.store_keys(fkeys)
-        ok = [False] * len(keys)
-        headers, staging = self._headers["get"], self._staging["get"]
-        gone: list[OffloadKey] = []
-        moved = 0
-        for start, end in self._batches(len(keys)):
-            ptrs, sizes = self._wire(headers, chunks[start:end])
-            call_ptrs, call_sizes = self._staged(staging, end - start)
-            try:
-                got = self.store.get_many(skeys[start:end], call_ptrs, call_sizes)
-            except L3Error as e:
-                if isinstance(e, L3Timeout):
-                    e.pending.exception()
-                log.warning("KvtierMooncakeTier: get of %d chunks failed: %s", end - start, e)
-                continue
-            # Unstaged into the header slots and vLLM's rows, then checked there: a row that fails its check is
-            # reported failed, so vLLM's CPU tier never marks it loadable.
-            unstage_objects(staging.addr, staging.nbytes, ptrs, sizes, got)
-            verdicts = self._format.check(
-                headers.addr, fkeys[start:end], [p[1:] for p in ptrs], [s[1:] for s in sizes], got
-            )
-            for j, (code, why) in enumerate(zip(got, verdicts, strict=True)):
-                i = start + j
-                if why is None:
-                    ok[i] = True
-                    moved += self.object_bytes
-                    self.counters["loaded"] += 1
-                    continue
-                gone.append(OffloadKey(keys[i]))
-                if code == OBJECT_NOT_FOUND:
-                    self.counters["missing"] += 1
-                    continue
-                self.counters["rejected"] += 1
-                log.warning("KvtierMooncakeTier: object %s rejected: %s", skeys[i], why)
-                try:
-                    self.store.remove(skeys[i], True)
-                except L3Error as e:
-                    log.info("KvtierMooncakeTier: removing rejected object %s failed: %s", skeys[i], e)
+        # Each object is copied out of the staging buffer into vLLM's row and checked there: a row that fails its
+        # check is reported failed, so vLLM's CPU tier never marks it loadable.
+        keys, rows = self._pieces(job)
+        outcomes = self._path.get(self.store, self._format, [k.hex() for k in keys], rows)
+        for k, o in zip(keys, outcomes, strict=True):
+            if o.kind == "rejected":
+                log.warning("KvtierMooncakeTier: object of key %s rejected: %s", k.hex(), o.reason)
+        # Known gone: not in the Store, or removed after it failed its check (a transient failure is neither).
+        gone = [OffloadKey(k) for k, o in zip(keys, outcomes, strict=True) if o.kind == "missing" or o.removed]
         if gone:
             with self._lock:
                 self._present.difference_update(gone)
             if self._record_events:
                 self._events.append(offloading_event(gone, MEDIUM_STORAGE, True))
-        good = [OffloadKey(keys[i]) for i in range(len(keys)) if ok[i]]
-        return {"success": all(ok), "successful_keys": None if all(ok) else good, "transfer_bytes": moved}
+        ok = [o.ok for o in outcomes]
+        good = [OffloadKey(k) for k, hit in zip(keys, ok, strict=True) if hit]
+        return {
+            "success": all(ok),
+            "successful_keys": None if all(ok) else good,
+            "transfer_bytes": self.object_bytes * len(good),
+        }

@@ -1,28 +1,42 @@
-//! `kvtier._core.L3Planner` and its plans: the L3 tier's planning (rust/l3plan.rs) for the Python executor.
-use std::sync::atomic::{AtomicBool, Ordering};
+//! `kvtier._core.L3Planner` (the L3 tier's planning and jobs, rust/l3plan.rs), `ObjectPath` (the one object path,
+//! rust/l3path.rs) and the Python Store client as the core's `Store`.
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use super::index::{PyIndex, PyReady};
+use super::objects::PyObjectFormat;
 use super::{namespace_bytes, non_negative, to_py};
 use crate::l3;
-use crate::l3plan::{self, FetchPlan, HostLayout, Object, Planner, Probe, PutPlan, Transfer};
+use crate::l3path::{self, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
+use crate::l3plan::{Fetched, HostLayout, Planner, Tier};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyL3Planner>()?;
-    m.add_class::<PyPutPlan>()?;
-    m.add_class::<PyProbe>()?;
-    m.add_class::<PyFetchPlan>()?;
-    m.add_class::<PyVerdict>()?;
+    m.add_class::<PyObjectPath>()?;
+    m.add_class::<PyOutcome>()?;
+    m.add_class::<PyPutReport>()?;
+    m.add_class::<PyFetchReport>()?;
     m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(part_digests, m)?)?;
     m.add("DIGEST_PART_BYTES", l3::DIGEST_PART_BYTES)?;
     m.add("L3_FORMAT_VERSION", l3::FORMAT_VERSION)?;
     m.add("L3_HEADER_BYTES", l3::HEADER_BYTES)?;
-    m.add("L3_WRONG_LENGTH", l3plan::WRONG_LENGTH)?;
+    let codes: Vec<(i64, &str, &str, bool)> =
+        l3path::CODES.iter().map(|c| (c.code, c.name, class_name(c.class), c.store_failing)).collect();
+    m.add("L3_CODES", codes)?;
     Ok(())
+}
+
+fn class_name(c: CodeClass) -> &'static str {
+    match c {
+        CodeClass::Missing => "missing",
+        CodeClass::WrongLength => "wrong_length",
+        CodeClass::NoSpace => "no_space",
+        CodeClass::Transient => "transient",
+    }
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -48,111 +62,252 @@ fn part_digests<'py>(
     Ok(pyo3::types::PyBytes::new(py, &parts.concat()))
 }
 
-type Request = (Vec<String>, Vec<Vec<usize>>, Vec<Vec<usize>>);
+/// A Python Store client (python/kvtier/l3/store.py's `Store` protocol) as the core's `Store`. Each call takes the
+/// GIL for the call only. A client's `L3Error` is the Store's failure (its code, RPC_FAIL without one); after an
+/// `L3Timeout` the call waits until the native call returned (its `pending` future), so the buffers are free when
+/// the path reuses them; any other exception is `STORE_RAISED`.
+struct PyStore<'a>(&'a Py<PyAny>);
 
-/// A put: `L3Planner.wire` gives the keys, pointers and sizes of each batch for the Store; `L3Planner.finish`
-/// releases its hold.
-#[pyclass(name = "PutPlan", module = "kvtier._core", frozen)]
-pub struct PyPutPlan {
-    inner: Mutex<PutPlan>,
-    finished: AtomicBool,
+impl PyStore<'_> {
+    fn failure(py: Python<'_>, e: PyErr) -> Failure {
+        let message = e.to_string();
+        let l3_error = py.import("kvtier.l3.errors").and_then(|m| m.getattr("L3Error")).ok();
+        let value = e.value(py);
+        if l3_error.is_some_and(|cls| value.is_instance(&cls).unwrap_or(false)) {
+            if let Ok(pending) = value.getattr("pending") {
+                // The native call may still use the buffers: wait until it returned (GIL released while waiting).
+                let _ = pending.call_method0("exception");
+            }
+            let code = value.getattr("code").and_then(|c| c.extract::<Option<i64>>()).ok().flatten();
+            return Failure { code: code.unwrap_or(-900), message };
+        }
+        Failure { code: l3path::STORE_RAISED, message }
+    }
+
+    fn batch(&self, method: &str, keys: &[String], pieces: Option<&[Vec<(usize, usize)>]>) -> Answer {
+        Python::attach(|py| {
+            let store = self.0.bind(py);
+            let called = match pieces {
+                None => store.call_method1(method, (keys.to_vec(),)),
+                Some(pieces) => {
+                    let ptrs: Vec<Vec<usize>> = pieces.iter().map(|p| p.iter().map(|x| x.0).collect()).collect();
+                    let sizes: Vec<Vec<usize>> = pieces.iter().map(|p| p.iter().map(|x| x.1).collect()).collect();
+                    store.call_method1(method, (keys.to_vec(), ptrs, sizes))
+                }
+            };
+            let codes = called.and_then(|r| r.extract::<Vec<i64>>()).map_err(|e| Self::failure(py, e))?;
+            if codes.len() != keys.len() {
+                return Err(Failure {
+                    code: l3path::STORE_RAISED,
+                    message: format!("{method} answered {} codes for {} keys", codes.len(), keys.len()),
+                });
+            }
+            Ok(codes)
+        })
+    }
+}
+
+impl Store for PyStore<'_> {
+    fn exists(&self, keys: &[String]) -> Answer {
+        self.batch("exists_many", keys, None)
+    }
+    fn put(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
+        self.batch("put_many", keys, Some(pieces))
+    }
+    fn get(&self, keys: &[String], pieces: &[Vec<(usize, usize)>]) -> Answer {
+        self.batch("get_many", keys, Some(pieces))
+    }
+    fn remove(&self, key: &str) -> std::result::Result<i64, Failure> {
+        Python::attach(|py| {
+            self.0
+                .bind(py)
+                .call_method1("remove", (key, true))
+                .and_then(|r| r.extract::<i64>())
+                .map_err(|e| Self::failure(py, e))
+        })
+    }
+}
+
+/// What the object path did with one object: `kind` is "stored", "present" or "failed" (a put), "loaded",
+/// "missing", "lost" or "rejected" (a get); `code` the Store's code of a failed or lost object; `reason` why one
+/// was rejected, and `removed` whether it was removed from the Store.
+#[pyclass(name = "Outcome", module = "kvtier._core", frozen, get_all)]
+pub struct PyOutcome {
+    kind: &'static str,
+    code: Option<i64>,
+    reason: Option<String>,
+    removed: bool,
 }
 
 #[pymethods]
-impl PyPutPlan {
+impl PyOutcome {
+    /// Whether the object is now in the Store (stored, present) or whole and verified in its pieces (loaded).
     #[getter]
-    fn ticket(&self) -> u64 {
-        locked(&self.inner).ticket
+    fn ok(&self) -> bool {
+        matches!(self.kind, "stored" | "present" | "loaded")
     }
-    #[getter]
-    fn keys(&self) -> Vec<String> {
-        locked(&self.inner).objects.iter().map(|o| o.key.clone()).collect()
-    }
-    /// Bytes of every object (headers included).
-    #[getter]
-    fn bytes(&self) -> usize {
-        locked(&self.inner).objects.iter().map(Object::bytes).sum()
-    }
-    fn __len__(&self) -> usize {
-        locked(&self.inner).objects.len()
+    fn __repr__(&self) -> String {
+        format!("Outcome({}, code={:?}, reason={:?}, removed={})", self.kind, self.code, self.reason, self.removed)
     }
 }
 
-/// The keys a fetch asks the Store about first.
-#[pyclass(name = "Probe", module = "kvtier._core", frozen)]
-pub struct PyProbe {
-    inner: Probe,
+impl From<&PutOutcome> for PyOutcome {
+    fn from(o: &PutOutcome) -> Self {
+        let (kind, code) = match o {
+            PutOutcome::Stored => ("stored", None),
+            PutOutcome::Present => ("present", None),
+            PutOutcome::Failed(c) => ("failed", Some(*c)),
+        };
+        Self { kind, code, reason: None, removed: false }
+    }
+}
+
+impl From<&GetOutcome> for PyOutcome {
+    fn from(o: &GetOutcome) -> Self {
+        match o {
+            GetOutcome::Loaded => Self { kind: "loaded", code: None, reason: None, removed: false },
+            GetOutcome::Missing => Self { kind: "missing", code: Some(-704), reason: None, removed: false },
+            GetOutcome::Lost(c) => Self { kind: "lost", code: Some(*c), reason: None, removed: false },
+            GetOutcome::Rejected { why, removed } => {
+                Self { kind: "rejected", code: None, reason: Some(why.to_string()), removed: *removed }
+            }
+        }
+    }
+}
+
+fn counters(py: Python<'_>, path: &ObjectPath) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in path.counters().snapshot() {
+        d.set_item(k, v)?;
+    }
+    Ok(d.unbind())
+}
+
+/// The one L3 object path of an engine's own objects, each one page under the engine's page hash (SGLang's
+/// HiCache pages, vLLM's CPU chunks): batching, header slots, staging (`staging_bytes`; None moves objects
+/// zero-copy), sealing, the check of what a get read and the removal of objects that fail it run in the core
+/// (rust/l3path.rs), with the GIL released but for the Store's own calls.
+#[pyclass(name = "ObjectPath", module = "kvtier._core", frozen)]
+pub struct PyObjectPath {
+    inner: ObjectPath,
+}
+
+/// `(address, bytes)` payload pieces of each page, checked once at the boundary.
+type Pieces = Vec<Vec<(usize, usize)>>;
+
+fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
+    if hashes.len() != pieces.len() {
+        return Err(PyValueError::new_err(format!(
+            "need the pieces of {} pages, got {} piece lists",
+            hashes.len(),
+            pieces.len()
+        )));
+    }
+    let keys = fmt.chain_keys(&hashes)?;
+    Ok(keys
+        .into_iter()
+        .zip(pieces)
+        .map(|(k, pieces)| Object {
+            key: fmt.store_key(k),
+            chain_key: k,
+            kind: l3::ObjectKind::Group,
+            pieces,
+            pages: vec![k],
+        })
+        .collect())
 }
 
 #[pymethods]
-impl PyProbe {
+impl PyObjectPath {
+    #[new]
+    #[pyo3(signature = (*, staging_bytes=None))]
+    fn new(staging_bytes: Option<i64>) -> PyResult<Self> {
+        let staging = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
+        Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)? })
+    }
+    /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
+    /// header slots (and then the pages' memory too).
+    fn buffers(&self) -> Vec<(usize, usize)> {
+        self.inner.buffers()
+    }
     #[getter]
-    fn keys(&self) -> Vec<String> {
-        self.inner.exists_keys.clone()
+    fn zero_copy(&self) -> bool {
+        self.inner.zero_copy()
+    }
+    /// The path's counters, named as in `kvtier.STATS` (`l3_*`).
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        counters(py, &self.inner)
+    }
+    /// Puts each page (its engine hash, its payload `(address, bytes)` pieces, kept alive and unwritten by the
+    /// caller for the call) as one object sealed by `fmt`, unless the Store has it: one `Outcome` a page.
+    fn put(
+        &self,
+        py: Python<'_>,
+        store: Py<PyAny>,
+        fmt: &PyObjectFormat,
+        hashes: Vec<String>,
+        pieces: Pieces,
+    ) -> PyResult<Vec<PyOutcome>> {
+        let objects = engine_objects(fmt, hashes, pieces)?;
+        let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        Ok(out.iter().map(PyOutcome::from).collect())
+    }
+    /// Gets each page's object into its pieces (the caller's to write for the call) and checks it with `fmt`; an
+    /// object that fails is removed from the Store. One `Outcome` a page.
+    fn get(
+        &self,
+        py: Python<'_>,
+        store: Py<PyAny>,
+        fmt: &PyObjectFormat,
+        hashes: Vec<String>,
+        pieces: Pieces,
+    ) -> PyResult<Vec<PyOutcome>> {
+        let objects = engine_objects(fmt, hashes, pieces)?;
+        let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        Ok(out.iter().map(PyOutcome::from).collect())
     }
 }
 
-/// A fetch into reserved slots: for each batch `L3Planner.wire` for the Store and `L3Planner.verify` on what it
-/// got, then `L3Planner.finish(plan, admit)`.
-#[pyclass(name = "FetchPlan", module = "kvtier._core", frozen)]
-pub struct PyFetchPlan {
-    inner: FetchPlan,
-    finished: AtomicBool,
+/// What a write-behind put did: `objects` planned, `present` the Store had, `failed` `(key, code)` not stored.
+#[pyclass(name = "PutReport", module = "kvtier._core", frozen, get_all)]
+pub struct PyPutReport {
+    objects: usize,
+    present: usize,
+    failed: Vec<(String, i64)>,
 }
 
-#[pymethods]
-impl PyFetchPlan {
-    #[getter]
-    fn ticket(&self) -> u64 {
-        self.inner.ticket
-    }
-    #[getter]
-    fn keys(&self) -> Vec<String> {
-        self.inner.objects.iter().map(|o| o.key.clone()).collect()
-    }
-    /// New host pages and states the fetch fills.
-    #[getter]
-    fn pages(&self) -> usize {
-        self.inner.pages
-    }
-    #[getter]
-    fn states(&self) -> usize {
-        self.inner.states
-    }
-    /// Bytes of every object (headers included).
-    #[getter]
-    fn bytes(&self) -> usize {
-        self.inner.objects.iter().map(Object::bytes).sum()
-    }
-    fn __len__(&self) -> usize {
-        self.inner.objects.len()
-    }
-}
-
-/// The check of a fetch: `admitted` when every object is whole and verified; else the keys `rejected` (with
-/// the reason) and `lost` (with the Store's code).
-#[pyclass(name = "Verdict", module = "kvtier._core", frozen, get_all)]
-pub struct PyVerdict {
-    admitted: bool,
-    rejected: Vec<(String, String)>,
+/// How a fetch ended: `outcome` is "miss", "failed" (the exists() call: `error`), "admitted" (`pages`, `states`,
+/// `bytes` now ready) or "refused" (`missing` keys, `lost` `(key, code)`, `rejected` `(key, reason, removed)`);
+/// `exists_s` and `get_s` the seconds of its Store calls.
+#[pyclass(name = "FetchReport", module = "kvtier._core", frozen, get_all)]
+pub struct PyFetchReport {
+    outcome: &'static str,
+    error: Option<(i64, String)>,
+    pages: usize,
+    states: usize,
+    bytes: usize,
+    missing: Vec<String>,
     lost: Vec<(String, i64)>,
+    rejected: Vec<(String, String, bool)>,
+    exists_s: f64,
+    get_s: f64,
 }
 
-/// The L3 planner of one cache over its `Index` and host pools; see rust/l3plan.rs. Calls that plan or check
-/// release the GIL.
+/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3plan.rs.
 ///
 /// `page_base` / `state_base` are the addresses of the host pools (`HostPool.base_ptr`): the caller keeps the
-/// pools alive, and their memory in place, for as long as the planner or any plan of it lives.
+/// pools alive, and their memory in place, for as long as the planner lives.
 #[pyclass(name = "L3Planner", module = "kvtier._core", frozen)]
 pub struct PyL3Planner {
     index: Py<PyIndex>,
     inner: Mutex<Planner>,
+    path: ObjectPath,
     group_pages: usize,
 }
 
 impl PyL3Planner {
-    fn lock(&self) -> MutexGuard<'_, Planner> {
-        locked(&self.inner)
+    fn tier(&self) -> Tier<'_> {
+        Tier { planner: &self.inner, index: self.index.get().shared(), path: &self.path }
     }
 }
 
@@ -160,7 +315,7 @@ impl PyL3Planner {
 impl PyL3Planner {
     #[new]
     #[pyo3(signature = (index, fingerprint, *, group_pages, page_base, page_bytes, state_base=0, state_bytes=0,
-        hash_key=None, seen_keys=1 << 20, header_slots=4096, scratch_pages=None, staging_bytes=None))]
+        hash_key=None, seen_keys=1 << 20, scratch_pages=None, staging_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
@@ -172,7 +327,6 @@ impl PyL3Planner {
         state_bytes: i64,
         hash_key: Option<&Bound<'_, PyAny>>,
         seen_keys: i64,
-        header_slots: i64,
         scratch_pages: Option<i64>,
         staging_bytes: Option<i64>,
     ) -> PyResult<Self> {
@@ -187,195 +341,104 @@ impl PyL3Planner {
             Some(v) => non_negative("scratch_pages", v)?,
             None => 2 * group_pages,
         };
+        let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
+        let largest = l3::HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
+        if let Some(bytes) = staging.filter(|&b| b < largest) {
+            return Err(PyValueError::new_err(format!(
+                "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of {} bytes \
+                 and a header), got {bytes}",
+                host.page_bytes
+            )));
+        }
         let planner = Planner::new(
             fingerprint,
             &namespace_bytes(hash_key)?,
             group_pages,
             host,
             non_negative("seen_keys", seen_keys)?,
-            non_negative("header_slots", header_slots)?,
             scratch,
-            staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?,
         )
         .map_err(to_py)?;
-        Ok(Self { index, inner: Mutex::new(planner), group_pages })
+        let path = ObjectPath::new(staging).map_err(to_py)?;
+        Ok(Self { index, inner: Mutex::new(planner), path, group_pages })
     }
 
     #[getter]
     fn fingerprint(&self) -> String {
-        self.lock().fingerprint().to_owned()
+        locked(&self.inner).fingerprint().to_owned()
     }
     #[getter]
     fn group_pages(&self) -> usize {
         self.group_pages
     }
-    /// `(address, bytes)` of the planner's buffers the Store must have registered: the staging buffers, or
-    /// zero-copy its header and scratch buffers (and then the host pools too).
+    /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
+    /// header slots and the scratch pages (and then the host pools too).
     fn buffers(&self) -> Vec<(usize, usize)> {
-        self.lock().buffers()
+        let mut out = self.path.buffers();
+        if self.path.zero_copy() {
+            out.push(locked(&self.inner).scratch());
+        }
+        out
     }
     /// Whether objects move straight from and into the host pools (the Store then registers them).
     #[getter]
     fn zero_copy(&self) -> bool {
-        self.lock().zero_copy()
+        self.path.zero_copy()
     }
-    /// A new fingerprint (the model version changed); nothing is remembered as seen any more.
-    fn set_fingerprint(&self, fingerprint: &str) -> PyResult<()> {
-        self.lock().set_fingerprint(fingerprint).map_err(to_py)
+    /// The object path's counters (`l3_*`).
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        counters(py, &self.path)
     }
-    /// The plan's objects in runs that one Store call moves: `(start, end)` indices.
-    fn batches(&self, py: Python<'_>, plan: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, usize)>> {
-        let objects = with_objects(plan, <[Object]>::to_vec)?;
-        // The planner's lock is only ever taken with the GIL released (a worker holds it without the GIL).
-        Ok(py.detach(|| self.lock().batches(&objects)))
-    }
-    /// `(keys, ptrs_per_key, sizes_per_key)` of objects `start..end` of a plan for the Store: a put's are copied
-    /// into the staging buffer first (GIL released); zero-copy, each object's header and payload pieces.
-    fn wire(&self, py: Python<'_>, plan: &Bound<'_, PyAny>, start: usize, end: usize) -> PyResult<Request> {
-        let dir = if plan.cast::<PyPutPlan>().is_ok() { Transfer::Put } else { Transfer::Get };
-        let batch = with_objects(plan, |objects| batch_of(objects, start, end).map(<[Object]>::to_vec))??;
-        let wire = py.detach(|| self.lock().wire(&batch, dir));
-        let keys = batch.iter().map(|o| o.key.clone()).collect();
-        let ptrs = wire.iter().map(|w| w.iter().map(|p| p.0).collect()).collect();
-        let sizes = wire.iter().map(|w| w.iter().map(|p| p.1).collect()).collect();
-        Ok((keys, ptrs, sizes))
+    /// A new fingerprint (the model version changed); nothing is remembered as seen any more. Puts and fetches
+    /// already planned keep the fingerprint they were planned under.
+    fn set_fingerprint(&self, py: Python<'_>, fingerprint: &str) -> PyResult<()> {
+        // The planner's lock is only ever taken with the GIL released (a job holds it without the GIL).
+        py.detach(|| locked(&self.inner).set_fingerprint(fingerprint)).map_err(to_py)
     }
     /// The Store key of the group whose last page has this chain key.
-    fn group_key(&self, last_page_key: u128) -> String {
-        self.lock().group_key(last_page_key)
+    fn group_key(&self, py: Python<'_>, last_page_key: u128) -> String {
+        py.detach(|| locked(&self.inner).group_key(last_page_key))
     }
     /// The Store key of the state after the page with this chain key.
-    fn state_key(&self, page_key: u128) -> String {
-        self.lock().state_key(page_key)
+    fn state_key(&self, py: Python<'_>, page_key: u128) -> String {
+        py.detach(|| locked(&self.inner).state_key(page_key))
     }
 
-    /// Plans (and seals) the put of what a store made ready; None when nothing is new.
-    fn plan_put(&self, py: Python<'_>, ready: &PyReady) -> PyResult<Option<PyPutPlan>> {
-        let index = self.index.get();
-        let planned = py.detach(|| {
-            let mut planner = self.lock();
-            let plan = planner.plan_put(&mut index.lock(), &ready.inner)?;
-            let format = planner.format().clone();
-            drop(planner);
-            if let Some(p) = &plan {
-                l3plan::seal(&format, p);
+    /// The write-behind of what a store made ready, through `store` (the Store client): None when nothing is new.
+    fn put(&self, py: Python<'_>, store: Py<PyAny>, ready: &PyReady) -> PyResult<Option<PyPutReport>> {
+        let report = py.detach(|| self.tier().put(&PyStore(&store), &ready.inner)).map_err(to_py)?;
+        Ok(report.map(|r| PyPutReport { objects: r.objects, present: r.present, failed: r.failed }))
+    }
+
+    /// The request's fetch through `store`, from its last lookup; its slots become ready only when every object
+    /// checked.
+    fn fetch(&self, py: Python<'_>, store: Py<PyAny>, request_id: &str) -> PyResult<PyFetchReport> {
+        let report = py.detach(|| self.tier().fetch(&PyStore(&store), request_id)).map_err(to_py)?;
+        let mut out = PyFetchReport {
+            outcome: "miss",
+            error: None,
+            pages: 0,
+            states: 0,
+            bytes: 0,
+            missing: Vec::new(),
+            lost: Vec::new(),
+            rejected: Vec::new(),
+            exists_s: report.exists_s,
+            get_s: report.get_s,
+        };
+        match report.fetched {
+            Fetched::Miss => {}
+            Fetched::Failed(f) => (out.outcome, out.error) = ("failed", Some((f.code, f.message))),
+            Fetched::Admitted { pages, states, bytes } => {
+                (out.outcome, out.pages, out.states, out.bytes) = ("admitted", pages, states, bytes);
             }
-            Ok(plan)
-        });
-        Ok(planned.map_err(to_py)?.map(|p| PyPutPlan { inner: Mutex::new(p), finished: AtomicBool::new(false) }))
-    }
-
-    /// Leaves out the objects the Store has (`present[i] == 1`), without remembering them as seen; returns how
-    /// many.
-    fn drop_present(&self, plan: &PyPutPlan, present: Vec<i64>) -> usize {
-        self.lock().drop_present(&mut locked(&plan.inner), &present)
-    }
-
-    /// The keys a fetch of this request asks about first; None when there is nothing to ask.
-    fn probe(&self, py: Python<'_>, request_id: &str) -> Option<PyProbe> {
-        let index = self.index.get();
-        py.detach(|| self.lock().probe(&index.lock(), request_id)).map(|inner| PyProbe { inner })
-    }
-
-    /// Plans the fetch from the Store's exists() codes for the probe's keys; reserves its slots. None: a miss.
-    fn plan_fetch(&self, py: Python<'_>, probe: &PyProbe, codes: Vec<i64>) -> PyResult<Option<PyFetchPlan>> {
-        let index = self.index.get();
-        let plan = py.detach(|| self.lock().plan_fetch(&mut index.lock(), &probe.inner, &codes)).map_err(to_py)?;
-        Ok(plan.map(|inner| PyFetchPlan { inner, finished: AtomicBool::new(false) }))
-    }
-
-    /// Checks what a get of objects `start..start + len(got)` of a fetch got (`got[i]`: bytes read or the Store's
-    /// code): each whole object is first copied out of the staging buffer, then its length, header and digest are
-    /// checked there, with the GIL released.
-    #[pyo3(signature = (plan, got, start=0))]
-    fn verify(&self, py: Python<'_>, plan: &PyFetchPlan, got: Vec<i64>, start: usize) -> PyResult<PyVerdict> {
-        let objects = batch_of(&plan.inner.objects, start, start + got.len())?;
-        let v = py.detach(|| {
-            let planner = self.lock();
-            planner.unstage(objects, &got);
-            l3plan::verify(planner.format(), objects, &got)
-        });
-        let key = |i: usize| objects[i].key.clone();
-        Ok(PyVerdict {
-            admitted: v.admitted(),
-            rejected: v.rejected.iter().map(|(i, why)| (key(*i), why.to_string())).collect(),
-            lost: v.lost.iter().map(|&(i, code)| (key(i), code)).collect(),
-        })
-    }
-
-    /// Ends a plan's ticket once: a put's hold is released; a fetch's slots become ready (`admit`) or are
-    /// freed. Returns False when the plan was finished already.
-    #[pyo3(signature = (plan, admit=false))]
-    fn finish(&self, plan: &Bound<'_, PyAny>, admit: bool) -> PyResult<bool> {
-        let index = self.index.get();
-        if let Ok(p) = plan.cast::<PyPutPlan>() {
-            let p = p.get();
-            if p.finished.swap(true, Ordering::SeqCst) {
-                return Ok(false);
+            Fetched::Refused { missing, lost, rejected } => {
+                out.outcome = "refused";
+                out.missing = missing;
+                out.lost = lost;
+                out.rejected = rejected.into_iter().map(|(k, why, removed)| (k, why.to_string(), removed)).collect();
             }
-            let ticket = locked(&p.inner).ticket;
-            index.lock().complete(ticket).map_err(to_py)?;
-        } else if let Ok(p) = plan.cast::<PyFetchPlan>() {
-            let p = p.get();
-            if p.finished.swap(true, Ordering::SeqCst) {
-                return Ok(false);
-            }
-            let mut ix = index.lock();
-            if admit { ix.complete(p.inner.ticket).map(drop) } else { ix.abort(p.inner.ticket) }.map_err(to_py)?;
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "plan must be a PutPlan or FetchPlan, got {}",
-                plan.get_type().name()?
-            )));
         }
-        Ok(true)
+        Ok(out)
     }
-
-    /// Forgets that these keys of a plan were put or seen (they failed: a later store may put them again).
-    fn unsee(&self, plan: &Bound<'_, PyAny>, keys: Vec<String>) -> PyResult<()> {
-        let objects = named(plan, &keys)?;
-        self.lock().unsee(&objects.iter().collect::<Vec<_>>());
-        Ok(())
-    }
-
-    /// These groups of a plan are in the Store now (a put stored them) or, `removed`, gone from it (removed, or
-    /// found missing by a get): their pages become "STORAGE" KV events of the index.
-    fn record_storage(&self, plan: &Bound<'_, PyAny>, keys: Vec<String>, removed: bool) -> PyResult<()> {
-        let pages: Vec<u128> = named(plan, &keys)?.into_iter().flat_map(|o| o.pages).collect();
-        self.index.get().lock().record_storage(removed, pages);
-        Ok(())
-    }
-}
-
-/// The objects of a put or fetch plan whose Store keys are among `keys`, in plan order.
-fn named(plan: &Bound<'_, PyAny>, keys: &[String]) -> PyResult<Vec<Object>> {
-    let pick =
-        |objects: &[Object]| -> Vec<Object> { objects.iter().filter(|o| keys.contains(&o.key)).cloned().collect() };
-    if let Ok(p) = plan.cast::<PyPutPlan>() {
-        Ok(pick(&locked(&p.get().inner).objects))
-    } else if let Ok(p) = plan.cast::<PyFetchPlan>() {
-        Ok(pick(&p.get().inner.objects))
-    } else {
-        Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)))
-    }
-}
-
-/// Runs `f` on the objects of a put or fetch plan.
-fn with_objects<R>(plan: &Bound<'_, PyAny>, f: impl FnOnce(&[Object]) -> R) -> PyResult<R> {
-    if let Ok(p) = plan.cast::<PyPutPlan>() {
-        return Ok(f(&locked(&p.get().inner).objects));
-    }
-    if let Ok(p) = plan.cast::<PyFetchPlan>() {
-        return Ok(f(&p.get().inner.objects));
-    }
-    Err(PyTypeError::new_err(format!("plan must be a PutPlan or FetchPlan, got {}", plan.get_type().name()?)))
-}
-
-fn batch_of(objects: &[Object], start: usize, end: usize) -> PyResult<&[Object]> {
-    objects.get(start..end).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!(
-            "objects {start}..{end} are not a range of the plan's {}",
-            objects.len()
-        ))
-    })
 }

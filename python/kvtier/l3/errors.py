@@ -5,9 +5,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from kvtier._core import KvtierError
+from kvtier._core import L3_CODES, KvtierError
 
-RPC_TIMEOUT = -901
+# kvtier's code of a Store call that did not return in time (it may still run).
+RPC_TIMEOUT = next(code for code, name, _, _ in L3_CODES if name == "RPC_TIMEOUT")
 
 
 class L3Error(KvtierError):

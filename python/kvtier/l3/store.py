@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from kvtier._core import L3_WRONG_LENGTH
+from kvtier._core import L3_CODES
 from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
@@ -39,35 +39,25 @@ log = logging.getLogger("kvtier.l3")
 
 R = TypeVar("R")
 
+# Every Store return code, read once in the core (rust/l3path.rs's CODES): (code, name, class, store failing).
+ERROR_NAMES: dict[int, str] = {code: name for code, name, _, _ in L3_CODES}
+_CODE = {name: code for code, name in ERROR_NAMES.items()}
 # Return codes of Mooncake Store 0.3.13 (ErrorCode in mooncake-store/include/types.h) that matter here.
-NO_SPACE = -200
-INVALID_PARAMS = -600
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-LEASE_EXPIRED = -707
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
+NO_SPACE = _CODE["NO_SPACE"]
+INVALID_PARAMS = _CODE["INVALID_PARAMS"]
+OBJECT_NOT_FOUND = _CODE["OBJECT_NOT_FOUND"]
+OBJECT_ALREADY_EXISTS = _CODE["OBJECT_ALREADY_EXISTS"]
+OBJECT_HAS_LEASE = _CODE["OBJECT_HAS_LEASE"]
+LEASE_EXPIRED = _CODE["LEASE_EXPIRED"]
+TRANSFER_FAIL = _CODE["TRANSFER_FAIL"]
+RPC_FAIL = _CODE["RPC_FAIL"]
 # kvtier's own code: the Store holds a value of another length than the buffers a get gave.
-WRONG_LENGTH = L3_WRONG_LENGTH
-
-ERROR_NAMES: dict[int, str] = {
-    -1: "INTERNAL_ERROR",
-    NO_SPACE: "NO_SPACE",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    -703: "REPLICA_IS_NOT_READY",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
-    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
-    LEASE_EXPIRED: "LEASE_EXPIRED",
-    TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL",
-    RPC_TIMEOUT: "RPC_TIMEOUT",
-    WRONG_LENGTH: "WRONG_LENGTH",
-}
+WRONG_LENGTH = _CODE["WRONG_LENGTH"]
+# kvtier's own code: a Store call raised something other than an L3Error (kvtier's failure, not the Store's).
+STORE_RAISED = _CODE["STORE_RAISED"]
 
 # Codes that say the Store itself (master or transfer path) is failing, not one object: they open the breaker.
-FAILURE_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
+FAILURE_CODES = frozenset(code for code, _, _, failing in L3_CODES if failing)
 
 # The key the breaker's probe asks about; it is never put.
 _PROBE_KEY = "kvtier/probe"
@@ -544,6 +534,7 @@ __all__ = [
     "OBJECT_NOT_FOUND",
     "RPC_FAIL",
     "RPC_TIMEOUT",
+    "STORE_RAISED",
     "TRANSFER_FAIL",
     "WRONG_LENGTH",
     "Breaker",

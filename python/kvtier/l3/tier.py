@@ -1,26 +1,27 @@
 """The L3 tier of a host prefix cache: page groups and states shared through a Store (Mooncake Store).
 
-The planning is the core's (``kvtier._core.L3Planner``, rust/l3plan.rs): which groups and states a put sends
-and a fetch gets, their keys, the host pointers of their pieces, their headers, and the check of every fetched
-object. This module executes those plans on two worker threads and keeps the statistics.
+The planning and the Store calls are the core's (``kvtier._core.L3Planner``, rust/l3plan.rs, over the one object
+path of every adapter, rust/l3path.rs): which groups and states a put sends and a fetch gets, their keys and
+pieces, batching, staging, headers, the check of every fetched object and the removal of a wrong one. This module
+runs those jobs on two worker threads and keeps the statistics.
 
 Write-behind: ``put(ready)`` with what a completed store made ready (``Index.complete``) submits a put job: the
-planner holds the new whole groups and group-end states, skips keys seen before, seals their headers; one
-exists() call drops what another instance put already (the first writer wins); the rest is put and the hold
-released.
+planner holds the new whole groups and group-end states, skips keys seen before; what the Store has already is
+not sent (the first writer wins); the rest is sealed and put and the hold released.
 
 Read: on a host miss ``start_fetch`` submits the request's one fetch job and the request answers "retry later"
 until it is done or its deadline passed. The job asks the Store which groups beyond the host's ready run exist,
-the planner picks the run (snapped to a state for models with state) and reserves slots, the job gets the
-objects, and the planner checks every header and digest: the slots become ready only when every object checks.
-A rejected object (wrong length, header or digest) is counted, removed from the Store and never served; it does
-not open the breaker.
+the planner picks the run (snapped to a state for models with state) and reserves slots, the objects are got
+and every header and digest checked: the slots become ready only when every object checks. A rejected object
+(wrong length, header or digest) is counted, removed from the Store and never served; it does not open the
+breaker. A transient Store code (a failing transfer, an expired lease, an open breaker, a timeout) removes
+nothing. A fetch checks its objects under the model version it was planned for.
 
 KV events: the groups a put stored and the groups found gone (removed after a failed check, or missing at a get)
 become "STORAGE" events of the index (``Index.take_events``), named by their pages' keys.
 
-Failure policy: every job finishes its plan's ticket in a ``finally`` (after a Store call that timed out, once
-that call returned); a job that raises is counted (``l3_gets_failed`` / ``l3_puts_failed``; ``l3_errors`` for
+Failure policy: the core finishes every job's ticket (after a Store call that timed out, once that call
+returned); a job that raises is counted (``l3_gets_failed`` / ``l3_puts_failed``; ``l3_errors`` for
 anything but a Store error) and logged. The engine loop never calls the Store.
 
 Shutdown: ``close()`` is bounded; a tier dropped without ``close()`` is shut down by a finalizer on a background
@@ -42,8 +43,8 @@ from typing import Any
 from kvtier import Index, L3Planner, Ready, fingerprint
 from kvtier.copy import HostPool
 from kvtier.geometry import Geometry
-from kvtier.l3.errors import L3Error, L3Timeout, L3Unavailable
-from kvtier.l3.store import OBJECT_NOT_FOUND, Store, StoreConfig
+from kvtier.l3.errors import L3Error, L3Unavailable
+from kvtier.l3.store import STORE_RAISED, Store, StoreConfig
 from kvtier.l3.worker import Backoff, Worker
 from kvtier.settings import CacheSettings
 
@@ -55,21 +56,17 @@ _CONNECT_BACKOFF_S = (0.5, 10.0)
 # What a shutdown that ran out of time could not free: a native call may still use it.
 _LEAKED: list[Any] = []
 
+# The tier's own counters; those of the objects it moves are the object path's (``L3Planner.stats``).
 COUNTERS = (
     "lookups",
     "hits",
     "misses",
     "pages_loaded",
     "states_loaded",
-    "bytes_loaded",
     "gets_failed",
     "deadline_passed",
-    "rejected",
-    "rejected_removed",
     "puts_submitted",
-    "puts_present",
     "puts_failed",
-    "bytes_put",
     "errors",
 )
 TIMERS = ("get_seconds", "exists_seconds")
@@ -388,119 +385,44 @@ class L3Tier:
         with self._lock:
             self._stats[name] += n
 
-    def _timed(self, name: str, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            with self._lock:
-                self._seconds[name] += time.perf_counter() - t0
-
-    def _finish_later(self, e: L3Timeout, plan: Any) -> None:
-        """A native call that timed out may still use the plan's slots: finish its ticket once it returned."""
-        e.pending.add_done_callback(lambda _f: self.planner.finish(plan))
-
     def _put(self, ready: Ready) -> None:
-        plan = self.planner.plan_put(ready)
-        if plan is None:
+        report = self.planner.put(self._store(), ready)
+        if report is None:
             return
-        release = True
-        try:
-            store = self._store()
-            try:
-                present = store.exists_many(plan.keys)
-            except L3Error:
-                present = []
-            self._count("puts_present", self.planner.drop_present(plan, present))
-            self._count("puts_submitted", len(plan))
-            failed: list[tuple[str, int]] = []
-            for start, end in self.planner.batches(plan):
-                keys, ptrs, sizes = self.planner.wire(plan, start, end)
-                try:
-                    codes = store.put_many(keys, ptrs, sizes)
-                except L3Timeout as e:
-                    release = False
-                    self._finish_later(e, plan)
-                    raise
-                failed += [(k, code) for k, code in zip(keys, codes, strict=False) if code != 0]
-                self._count("bytes_put", sum(sum(s) for s, code in zip(sizes, codes, strict=False) if code == 0))
-                stored = [k for k, code in zip(keys, codes, strict=False) if code == 0]
-                self.planner.record_storage(plan, stored, False)
-            if failed:
-                self.planner.unsee(plan, [k for k, _ in failed])
-                self._count("puts_failed", len(failed))
-                log.info("L3 put: %d of %d objects not stored, first %s: %s", len(failed), len(plan), *failed[0])
-        except BaseException:
-            self.planner.unsee(plan, plan.keys)
-            raise
-        finally:
-            if release:
-                self.planner.finish(plan)
+        self._count("puts_submitted", report.objects - report.present)
+        self._count("errors", sum(code == STORE_RAISED for _, code in report.failed))
+        if report.failed:
+            log.info(
+                "L3 put: %d of %d objects not stored, first %s: %s",
+                len(report.failed),
+                report.objects,
+                *report.failed[0],
+            )
 
     def _fetch(self, request_id: str) -> None:
-        probe = self.planner.probe(request_id)
-        if probe is None:  # forgotten meanwhile, or the host holds the run now
-            self._count("misses")
-            return
-        store = self._store()
-        codes = self._timed("exists_seconds", store.exists_many, probe.keys)
-        plan = self.planner.plan_fetch(probe, codes)
-        if plan is None:
-            self._count("misses")  # nothing usable in the Store, or no room on the host now
-            return
-        release, admit = True, False
-        try:
-            for start, end in self.planner.batches(plan):
-                keys, ptrs, sizes = self.planner.wire(plan, start, end)
-                try:
-                    got = self._timed("get_seconds", store.get_many, keys, ptrs, sizes)
-                except L3Timeout as e:
-                    release = False
-                    self._finish_later(e, plan)
-                    raise
-                verdict = self.planner.verify(plan, got, start)
-                if not verdict.admitted:
-                    self._refused(store, plan, verdict)
-                    return
-            admit = True
-            self._admitted(plan)
-        finally:
-            if release:
-                self.planner.finish(plan, admit)
-
-    def _refused(self, store: Store, plan: Any, verdict: Any) -> None:
-        """A batch of the fetch had objects that failed their check or were lost: none of the fetch is served."""
-        self.planner.unsee(plan, [k for k, _ in verdict.rejected] + [k for k, _ in verdict.lost])
-        self._count("gets_failed")
-        if verdict.rejected:
-            self._reject(store, plan, verdict.rejected)
-        gone = [k for k, code in verdict.lost if code == OBJECT_NOT_FOUND]
-        self.planner.record_storage(plan, gone, True)
-        if verdict.lost:
-            k, code = verdict.lost[0]
-            log.info("L3 fetch dropped: %d of %d objects lost, first %s: %s", len(verdict.lost), len(plan), k, code)
-
-    def _admitted(self, plan: Any) -> None:
+        report = self.planner.fetch(self._store(), request_id)
         with self._lock:
-            self._stats["hits"] += 1
-            self._stats["pages_loaded"] += plan.pages
-            self._stats["states_loaded"] += plan.states
-            self._stats["bytes_loaded"] += plan.bytes
-
-    def _reject(self, store: Store, plan: Any, rejected: list[tuple[str, str]]) -> None:
-        """Objects that failed their check are never served; they are removed so an honest writer can put the
-        right bytes (the first writer wins otherwise)."""
-        self._count("rejected", len(rejected))
-        log.warning("L3: %d objects rejected, first %s: %s", len(rejected), *rejected[0])
-        removed = []
-        for key, _ in rejected:
-            try:
-                if store.remove(key, True) == 0:
-                    self._count("rejected_removed")
-                    removed.append(key)
-            except L3Error as e:
-                log.info("L3: removing rejected object %s failed: %s", key, e)
-        self.planner.record_storage(plan, removed, True)
+            self._seconds["exists_seconds"] += report.exists_s
+            self._seconds["get_seconds"] += report.get_s
+        if report.outcome == "miss":  # nothing usable in the Store, no room on the host, or nothing to ask
+            self._count("misses")
+        elif report.error is not None:  # the exists() call failed
+            code, message = report.error
+            if code == STORE_RAISED:
+                raise RuntimeError(f"exists failed: {message}")
+            raise L3Error(f"exists failed: {message}", code)
+        elif report.outcome == "admitted":
+            with self._lock:
+                self._stats["hits"] += 1
+                self._stats["pages_loaded"] += report.pages
+                self._stats["states_loaded"] += report.states
+        else:
+            self._count("gets_failed")
+            self._count("errors", sum(code == STORE_RAISED for _, code in report.lost))
+            if report.rejected:
+                log.warning("L3: %d objects rejected, first %s: %s", len(report.rejected), *report.rejected[0][:2])
+            if report.lost:
+                log.info("L3 fetch dropped: %d objects not read, first %s: %s", len(report.lost), *report.lost[0])
 
     def flush(self, timeout_s: float) -> bool:
         """Waits until the work submitted so far has run (tests, benchmarks, demos); returns whether it has."""
@@ -516,8 +438,10 @@ class L3Tier:
     # Statistics and shutdown
 
     def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.planner.stats())
         with self._lock:
-            out: dict[str, Any] = {f"l3_{k}": v for k, v in self._stats.items()}
+            for k, v in self._stats.items():
+                out[f"l3_{k}"] = out.get(f"l3_{k}", 0) + v
             out.update({f"l3_{k}": v for k, v in self._seconds.items()})
         store = self._conn.store
         out["l3_connected"] = store is not None
