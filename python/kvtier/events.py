@@ -15,7 +15,7 @@ as it reads vLLM's own CPU offloading:
   by key only, a store carries no token ids (``token_ids`` empty, ``block_size`` 0, no parent).
 
 Nothing is recorded unless the cache's ``event_buffer`` setting is > 0; events not taken in time are dropped
-oldest first and counted (``events_dropped``). Needs ``msgpack`` and ``pyzmq``: ``pip install "kvtier[events]"``.
+oldest first and counted (``events_dropped``). Needs ``msgpack`` and ``pyzmq`` (the ``events`` extra).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier import KvEvent
+from kvtier.extras import install_hint
 
-EVENTS_EXTRA = 'pip install "kvtier[events]"'
+EVENTS_EXTRA = install_hint("events")
 
 
 def event_message(event: KvEvent) -> dict[str, Any]:
