@@ -72,6 +72,9 @@ def test_demo_reports_counts_first_and_times_with_their_intervals(capsys):
     out = capsys.readouterr().out
     counts, times = out.split("times (wall clock")
     assert "prefill tokens computed" in counts and "token hit rate" in counts and "identical" in counts
+    # A CPU run says where its "GPU" pool is and what the copy and deferral rows mean.
+    assert "GPU" not in counts and "the engine's KV pool is a CPU tensor (--device cpu)" in counts, counts
+    assert "pages / states to host" in counts and "hits deferred (KV pool full)" in counts
     ttft = next(line for line in times.splitlines() if line.startswith("TTFT (ms)"))
     assert ttft.count("[") == 2, ttft  # a median and its interval for each engine
     # Whether the machine was quiet is the run's business; what the demo says about it is not.
@@ -210,7 +213,8 @@ def bad_value(setting: Any) -> str | None:
 
 # The commands that build caches. Each checks every variable, those its own arguments override included (a bad
 # KVTIER_HOST_BYTES once went unnoticed by the demo, whose --host-mib default won over it).
-CACHE_COMMANDS = ["demo", "soak", "soak --l3", "bench l3"] + (["bench pin"] if torch.cuda.is_available() else [])
+CACHE_COMMANDS = ["demo", "soak", "soak --l3", "bench l3", "bench overlap --device cpu"]
+CACHE_COMMANDS += ["bench pin", "bench loop"] if torch.cuda.is_available() else []
 READ = [(command, setting) for command in CACHE_COMMANDS for setting in REGISTRY if bad_value(setting) is not None]
 
 
@@ -371,6 +375,9 @@ def test_mooncake_logs_to_files_and_not_stderr_unless_told(tmp_path):
     r = run_cli(*demo, env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert not GLOG.search(r.stderr) and "InitGoogleLogging" not in r.stderr, r.stderr
+    # The statistics by what they mean, and what the machine's load means for the times.
+    assert "pages loaded from L3" in r.stdout and "l3_pages_loaded" not in r.stdout, r.stdout
+    assert "WARNING: these times" in r.stdout or "waited for a CPU" in r.stdout, r.stdout
     logs = tmp_path / "kvtier-mooncake-log"
     assert any(p.name.startswith("mooncake-transfer-engine") for p in logs.iterdir())
     # The deployment's choice: Mooncake logs to stderr as it does by itself, and nothing goes to kvtier's folder.

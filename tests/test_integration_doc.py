@@ -17,7 +17,8 @@ def blocks() -> list[str]:
 
 def quoted(block: str) -> list[str]:
     """The texts a block's comments say its prints print (a trailing "..." stands for the rest of the line)."""
-    return [line.split("#", 1)[1].strip().removesuffix("...").strip() for line in block.splitlines() if "print(" in line]
+    comments = [line.split("#", 1)[1] for line in block.splitlines() if "print(" in line and "#" in line]
+    return [text.strip().removesuffix("...").strip() for text in comments]
 
 
 def test_the_integration_guide_runs_as_written():

@@ -35,7 +35,7 @@ LAYOUTS = ("layer-first", "page-first")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.cli import at_least, check_environment, parser
     from kvtier.tools.engine.config import PRESETS
 
     ap = parser("kvtier bench overlap", __doc__)
@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad or not layouts:
         ap.error(f"argument --layouts: each must be one of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     args.layouts = layouts
+    check_environment(ap)
     import torch
 
     if args.device != "cpu" and not torch.cuda.is_available():
