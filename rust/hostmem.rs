@@ -1,7 +1,8 @@
 //! Host pools: `slots` slots of `slot_bytes`, reserved up front as one virtual range (nothing committed), so a
 //! slot's address is `base + slot * slot_bytes` for the pool's whole life; backed and pinned one pin step at a
 //! time by `grow_step`, which the cache runs off the engine loop. Only slots below `usable_slots()` may be copied to
-//! or from.
+//! or from. An unpinned pool (one only CPU code copies) commits nothing ahead: growing it only makes its slots
+//! usable, and the kernel commits each page when it is first written, so the whole pool can be usable at once.
 //!
 //! Pinned pools take their memory from the CUDA driver where it can make host memory (`Pinning::Driver`: each
 //! step is created by the driver and mapped into the range, and copies may span steps), else from the process's
@@ -97,8 +98,8 @@ pub struct HostPool {
     step_bytes: u64,
     pinning: Pinning,
     base: u64,
-    /// Bytes from the base that are backed (and pinned, unless `Pinning::None`): slots below backed / slot_bytes are
-    /// usable.
+    /// Bytes from the base that are usable (backed and pinned, unless `Pinning::None`, whose pages the kernel commits
+    /// as they are first written): slots below backed / slot_bytes are usable.
     backed: AtomicU64,
     /// None once closed. Copies hold a read guard while they touch the memory; close takes the write lock.
     mem: RwLock<Option<Mapping>>,
@@ -188,19 +189,20 @@ impl HostPool {
         self.base
     }
 
-    /// Bytes backed (and pinned) so far.
+    /// Bytes usable so far (backed and pinned, for a pinned pool).
     pub fn backed_bytes(&self) -> u64 {
         self.backed.load(Ordering::Acquire)
     }
 
-    /// Slots that are backed (and pinned) and may be copied to or from.
+    /// Slots that are usable (backed and pinned, for a pinned pool) and may be copied to or from.
     pub fn usable_slots(&self) -> u32 {
         let usable = self.backed_bytes() / self.slot_bytes;
         u32::try_from(usable.min(u64::from(self.slots))).expect("bounded by slots")
     }
 
-    /// Back and pin the next pin step; returns `usable_slots()` after it (unchanged once the pool is fully grown).
-    /// Copies of usable slots go on meanwhile: only `close` waits for a grow.
+    /// Back and pin the next pin step (an unpinned pool's step only becomes usable: nothing is committed ahead);
+    /// returns `usable_slots()` after it (unchanged once the pool is fully grown). Copies of usable slots go on
+    /// meanwhile: only `close` waits for a grow.
     pub fn grow_step(&self) -> Result<u32> {
         let _grow = self.grow.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (base, len) = {
@@ -217,7 +219,7 @@ impl HostPool {
         // SAFETY: [start, end) lies inside the mapping.
         let ptr = unsafe { base.add(start) };
         match self.pinning {
-            Pinning::None => touch(ptr, end - start),
+            Pinning::None => {}
             Pinning::Registered => {
                 touch(ptr, end - start);
                 // SAFETY: the range stays mapped until close/drop, which unregisters it first.

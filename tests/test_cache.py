@@ -123,15 +123,32 @@ def test_tiny_host_pool_evicts_and_stays_exact():
     cache.cache.index.check()
 
 
+@pytest.mark.gpu
 def test_host_pool_is_pinned_lazily_off_the_loop():
-    e = engine()
+    e = engine(device="cuda")
     cache = attach(e, preallocate=False, pin_step_bytes=256 << 10)
     assert cache.stats_dict()["host_bytes_pinned"] == 0, "nothing is allocated before the first store"
-    off = WORK.run(engine())
+    off = WORK.run(engine(device="cuda"))
     assert WORK.run(e) == off
     assert cache.cache.wait_pinned(30)
     s = cache.stats_dict()
     assert s["host_bytes_pinned"] == s["page_slots"] * s["page_bytes"] + s["state_slots"] * s["state_bytes"]
+
+
+def test_a_cpu_pools_host_pool_is_not_pinned_and_keeps_the_first_store(caplog):
+    """Over a CPU pool (memcpy) nothing is pinned and nothing waits: every host slot is usable from construction,
+    the first store is kept, and nothing is said about pinning."""
+    e = engine(pattern="F")
+    c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="2MiB", pin_step_bytes="64KiB")
+    assert c.host_pools[0].pinning == "none" and c.wait_pinned(0)
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        c.store("first", list(range(64)), [0, 1, 2, 3])
+    c.poll()
+    s = c.stats()
+    assert s["store_skipped_pinning"] == 0 and s["pages_stored"] == 4 and s["host_bytes_pinned"] == 0, s
+    assert c.lookup("q", list(range(64))) == 48
+    assert not [r for r in caplog.records if "pinned" in r.message], caplog.records
+    c.close()
 
 
 def test_failing_state_callback_falls_back_then_disables(caplog):
@@ -231,8 +248,9 @@ def test_outputs_identical_on_gpu(layout):
     cache.close()
 
 
+@pytest.mark.gpu
 def test_stores_skipped_while_pinning_are_logged_once_and_counted(caplog):
-    e = engine(pattern="F")
+    e = engine(pattern="F", device="cuda")
     c = HostPrefixCache(e.gpu_blocks, block_size=16, host_bytes="2MiB", pin_step_bytes="64KiB")
     with caplog.at_level(logging.INFO, logger="kvtier"):
         for i in range(3):
@@ -241,9 +259,11 @@ def test_stores_skipped_while_pinning_are_logged_once_and_counted(caplog):
     assert 1 <= s["store_skipped_pinning"] <= 3, "the first store of a lazily pinned pool is skipped"
     assert s["store_skipped"] >= s["store_skipped_pinning"] and s["errors"] == 0
     told = [r for r in caplog.records if "still being pinned" in r.message]
-    assert len(told) == 1 and told[0].levelno == logging.INFO
+    assert len(told) == 1 and told[0].levelno == logging.WARNING, told
+    assert "preallocate=True" in told[0].message and "wait_pinned()" in told[0].message
     assert c.wait_pinned(30)
     c.store("after", list(range(64)), [0, 1, 2, 3])
+    torch.cuda.synchronize()
     c.poll()
     assert c.lookup("q", list(range(64))) == 48 and c.stats()["store_skipped_pinning"] == s["store_skipped_pinning"]
     c.close()

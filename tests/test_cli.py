@@ -72,6 +72,9 @@ def test_demo_reports_counts_first_and_times_with_their_intervals(capsys):
     out = capsys.readouterr().out
     counts, times = out.split("times (wall clock")
     assert "prefill tokens computed" in counts and "token hit rate" in counts and "identical" in counts
+    # A CPU run says where its "GPU" pool is and what the copy and deferral rows mean.
+    assert "GPU" not in counts and "the engine's KV pool is a CPU tensor (--device cpu)" in counts, counts
+    assert "pages / states to host" in counts and "hits deferred (KV pool full)" in counts
     ttft = next(line for line in times.splitlines() if line.startswith("TTFT (ms)"))
     assert ttft.count("[") == 2, ttft  # a median and its interval for each engine
     # Whether the machine was quiet is the run's business; what the demo says about it is not.
@@ -146,9 +149,10 @@ BAD = [
     (["bench", "l3", "--groups", "0"], "--groups: must be >= 1"),
     (["bench", "pin", "--host-gib", "0"], "--host-gib: must be > 0"),
     (["bench", "pin", "--after-seconds", "-1"], "--after-seconds: must be >= 0"),
-    (["bench", "pin", "--device", "cpu", "--model", "huge"], "unknown model preset 'huge'"),
-    (["bench", "pin", "--device", "cpu", "--host-gib", str(1 << 20)], "host_bytes"),
+    (["bench", "pin", "--device", "cpu"], "--device cpu: only a CUDA pool's host pool is pinned"),
     (["demo", "--plot", "/nonexistent/dir/x.png"], "--plot: '/nonexistent/dir/x.png': no folder /nonexistent/dir"),
+    # A folder where nothing can be written, even by root (whom a permission check lets through).
+    (["demo", "--plot", "/proc/kvtier-ttft.png"], "--plot: '/proc/kvtier-ttft.png' cannot be written: "),
     (["demo", "--plot", "x.txt"], "--plot: 'x.txt': matplotlib writes no .txt files (it writes "),
     (["demo", "--plot", "ttft"], "matplotlib writes no extension-less files"),
     (["demo", "--gpu-blocks", "1"], "--gpu-blocks 1 cannot hold the last turn's request: 992 tokens need 62 blocks"),
@@ -161,7 +165,8 @@ BAD = [
     (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
     (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
     (["soak", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),
-    (["bench", "trace"], "give a trace file or --synthetic"),
+    (["bench", "trace", "t.jsonl", "--synthetic", "agents"], "give a trace file or --synthetic, not both"),
+    (["bench", "trace", "--plot", "/proc/hits.png"], "--plot: '/proc/hits.png' cannot be written"),
     (["bench", "trace", "--synthetic", "zigzag"], "--synthetic: invalid choice"),
     (["bench", "trace", "--synthetic", "agents", "--pools", "1X"], "--pools: not a token count: '1X'"),
     (["bench", "trace", "--synthetic", "agents", "--policies", "lru,arc"], "--policies: each of lru, adaptive"),
@@ -181,7 +186,17 @@ def test_bad_arguments_fail_in_one_line_before_any_work(argv, text, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
-@pytest.mark.parametrize("command", [["bench", "pin"], ["demo", "--device", "cuda"], ["soak", "--device", "cuda"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "pin"],
+        ["bench", "copy"],
+        ["bench", "overlap"],
+        ["demo", "--device", "cuda"],
+        ["soak", "--device", "cuda"],
+    ],
+    ids=" ".join,
+)
 def test_cuda_asked_for_without_cuda_is_one_line(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(command)
@@ -196,21 +211,11 @@ def bad_value(setting: Any) -> str | None:
     return "garbage"
 
 
-# The commands that build caches, and the settings each gives its caches itself (an argument wins over its
-# variable, so these variables are never read).
-CACHE_COMMANDS = {
-    "demo": {"host_bytes", "state_slots", "preallocate"},
-    "soak": {"host_bytes", "max_errors"},
-    "soak --l3": {"host_bytes", "max_errors", "l3", "l3_master"},
-    "bench pin --device cpu": {"host_bytes", "state_slots", "pin_step_bytes"},
-    "bench l3": {"host_bytes", "l3", "l3_master", "l3_group_pages"},
-}
-READ = [
-    (command, setting)
-    for command, given in CACHE_COMMANDS.items()
-    for setting in REGISTRY
-    if bad_value(setting) is not None and setting.name not in given
-]
+# The commands that build caches. Each checks every variable, those its own arguments override included (a bad
+# KVTIER_HOST_BYTES once went unnoticed by the demo, whose --host-mib default won over it).
+CACHE_COMMANDS = ["demo", "soak", "soak --l3", "bench l3", "bench overlap --device cpu"]
+CACHE_COMMANDS += ["bench pin", "bench loop"] if torch.cuda.is_available() else []
+READ = [(command, setting) for command in CACHE_COMMANDS for setting in REGISTRY if bad_value(setting) is not None]
 
 
 @pytest.mark.parametrize("command, setting", READ, ids=[f"{c} {s.variable}" for c, s in READ])
@@ -249,7 +254,7 @@ def test_demo_l3_names_the_extra_before_the_baseline(tmp_path):
     (fake / "__init__.py").write_text("raise ImportError('mooncake is not installed here')\n")
     r = run_cli("demo", "--l3", "local", pythonpath=str(tmp_path))
     assert r.returncode == 2, r.stderr
-    assert 'pip install "kvtier[l3]"' in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert 'pip install "mooncake-transfer-engine' in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "cache off" not in r.stderr
 
 
@@ -269,15 +274,34 @@ def test_info_reports_the_build_and_where_each_setting_came_from():
     assert any(line.split()[:3] == ["host_bytes", "1GiB", "env"] for line in text.stdout.splitlines())
 
 
-def test_info_names_a_bad_setting_of_the_environment():
-    r = run_cli("info", env={"KVTIER_KEEP_TOKENS": "zero"})
-    assert r.returncode == 1 and "keep_tokens" in r.stdout and "KVTIER_KEEP_TOKENS='zero'" in r.stdout
+def test_info_names_a_bad_setting_of_the_environment_and_lists_the_others():
+    r = run_cli("info", env={"KVTIER_KEEP_TOKENS": "zero", "KVTIER_HOST_BYTES": "1GiB"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("kvtier info: error: bad setting keep_tokens (from KVTIER_KEEP_TOKENS='zero')")
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert {s.name for s in REGISTRY} <= set(rows), r.stdout
+    assert rows["keep_tokens"] == ["zero", "bad", "KVTIER_KEEP_TOKENS"] and rows["host_bytes"][:2] == ["1GiB", "env"]
+    out = json.loads(run_cli("info", "--json", env={"KVTIER_KEEP_TOKENS": "zero"}).stdout)
+    assert len(out["settings"]) == len(REGISTRY) and len(out["settings_errors"]) == 1
 
 
-def test_bench_pin_on_the_cpu_reports_when_the_pool_was_pinned(capsys):
+def test_the_demo_takes_its_host_pool_from_the_variable_unless_told(capsys, monkeypatch):
+    r = run_cli("demo", env={"KVTIER_HOST_BYTES": "lots"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "bad setting host_bytes (from KVTIER_HOST_BYTES='lots')" in r.stderr
+    # 1 MiB from the variable (not the demo's 256 MiB), and --host-mib over the variable.
+    monkeypatch.setenv("KVTIER_HOST_BYTES", "1MiB")
+    assert main(["demo", *TINY, "--json", "--quiet"]) == 0
+    slots = json.loads(capsys.readouterr().out)["host_page_slots"]
+    assert main(["demo", *TINY, "--json", "--quiet", "--host-mib", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_page_slots"] == 2 * slots
+
+
+@pytest.mark.gpu
+def test_bench_pin_reports_when_the_pool_was_pinned(capsys):
     """The pinning is watched on the engine loop's thread (a watcher thread once met the pinning thread created but
     not started, and crashed the benchmark)."""
-    argv = ["bench", "pin", "--device", "cpu", "--model", "tiny", "--host-gib", "0.25", "--after-seconds", "0"]
+    argv = ["bench", "pin", "--model", "tiny", "--host-gib", "0.25", "--after-seconds", "0"]
     for _ in range(3):
         assert main([*argv, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
@@ -351,6 +375,9 @@ def test_mooncake_logs_to_files_and_not_stderr_unless_told(tmp_path):
     r = run_cli(*demo, env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert not GLOG.search(r.stderr) and "InitGoogleLogging" not in r.stderr, r.stderr
+    # The statistics by what they mean, and what the machine's load means for the times.
+    assert "pages loaded from L3" in r.stdout and "l3_pages_loaded" not in r.stdout, r.stdout
+    assert "WARNING: these times" in r.stdout or "waited for a CPU" in r.stdout, r.stdout
     logs = tmp_path / "kvtier-mooncake-log"
     assert any(p.name.startswith("mooncake-transfer-engine") for p in logs.iterdir())
     # The deployment's choice: Mooncake logs to stderr as it does by itself, and nothing goes to kvtier's folder.

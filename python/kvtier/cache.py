@@ -130,7 +130,8 @@ class HostPrefixCache:
         self.calls = Calls()
         self._told_pinning = False
         self._lock = threading.Lock()
-        # The host pools are address space only until they grow (at the first store, or now with preallocate).
+        # A CUDA pool's host pools are pinned, and address space only until they grow (at the first store, or now
+        # with preallocate); a CPU pool's are not pinned, and usable now.
         self._host = HostMemory(
             self.index,
             page_slots=g.page_slots,
@@ -138,6 +139,7 @@ class HostPrefixCache:
             state_slots=g.state_slots,
             state_bytes=g.state_bytes,
             step_bytes=s.pin_step_bytes,
+            pin=g.device.type == "cuda",
             pin_method=s.pin_method,
             on_error=self.failures.failed,
         )
@@ -229,7 +231,8 @@ class HostPrefixCache:
         return self._l3.wait_connected(timeout_s) and self._l3.flush(max(0.0, end - time.monotonic()))
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
-        """Waits until the host pools are fully pinned (for tests and benchmarks); returns whether they are."""
+        """Waits until the host pools are fully pinned (at once for a CPU pool's, which are not pinned); returns
+        whether they are. Pinning starts at the first store (``preallocate=True``: at construction)."""
         return self._host.wait(timeout)
 
     # Engine-loop calls: one call into the core each
@@ -332,9 +335,11 @@ class HostPrefixCache:
         self._host.start()  # after planning: the first store of a lazily pinned pool is always skipped
         if outcome == "skipped_pinning" and not self._told_pinning:
             self._told_pinning = True
-            log.info(
-                "a store was skipped: the host pool is still being pinned (%d of %d MiB so far); stores use each "
-                "pin step as it completes (preallocate=True pins at construction, wait_pinned() waits for it)",
+            log.warning(
+                "a store was skipped, so its prompt is not cached: the host pool is still being pinned (%d of %d MiB "
+                "so far), and stores use each pin step as it completes. To cache from the first store, build the "
+                "cache with preallocate=True (pins the pool at construction); wait_pinned() waits for the pinning "
+                "a first store started (stores skipped: stats()['store_skipped_pinning'])",
                 self._host.pinned_bytes() >> 20,
                 self.page_slots * self.page_bytes >> 20,
             )

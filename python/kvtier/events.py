@@ -16,8 +16,8 @@ as it reads vLLM's own CPU offloading:
   by key only, a store carries no token ids (``token_ids`` empty, ``block_size`` 0, no parent).
 
 Nothing is recorded unless the cache's ``event_buffer`` setting is > 0; events not taken in time are dropped
-oldest first and counted (``events_dropped``). Needs ``msgpack`` (``pip install "kvtier[events]"``); routers
-subscribe with any ZMQ SUB socket.
+oldest first and counted (``events_dropped``). Needs ``msgpack`` (the ``events`` extra); routers subscribe
+with any ZMQ SUB socket.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier import KvEvent
+from kvtier.extras import install_hint
 
 log = logging.getLogger("kvtier.events")
 
-EVENTS_EXTRA = 'pip install "kvtier[events]"'
+EVENTS_EXTRA = install_hint("events")
 
 
 def event_message(event: KvEvent) -> dict[str, Any]:

@@ -299,19 +299,18 @@ class CacheSettings:
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for s in REGISTRY:
-            value, source, where = arguments.get(s.name), "argument", s.name
+            value = arguments.get(s.name)
             if value is None:
-                var = s.variable
-                if env.get(var, "").strip():
-                    value, source, where = env[var], "env", f"{s.name} (from {var}={env[var]!r})"
-            if value is None or (s.kind == TEXT and s.default is None and value == ""):
+                values[s.name], sources[s.name] = _from_env(s, env)
+                continue
+            if s.kind == TEXT and s.default is None and value == "":
                 values[s.name], sources[s.name] = s.default, "default"
                 continue
             try:
                 values[s.name] = s.parse(value)
             except ValueError as e:
-                raise ValueError(f"bad setting {where}: {e}") from None
-            sources[s.name] = source
+                raise ValueError(f"bad setting {s.name}: {e}") from None
+            sources[s.name] = "argument"
         if values["l3"] == "mooncake" and not values["l3_master"]:
             raise ValueError("setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)")
         if values["l3"] == "mooncake" and values["hash_key"] is None and not values["l3_trusted_store"]:
@@ -358,6 +357,42 @@ class CacheSettings:
             (s.name, s.default_text if v is None else s.show(v), self.sources[s.name], s.variable)
             for s, v in ((s, getattr(self, s.name)) for s in REGISTRY)
         ]
+
+
+def from_environment(name: str, env: Mapping[str, str] | None = None) -> tuple[Any, str]:
+    """Setting ``name``'s value from its variable alone, and where it came from (``"env"``, or ``"default"`` when the
+    variable is unset or empty); ``ValueError`` naming the setting and the variable when the variable's value is
+    bad."""
+    return _from_env(SETTINGS[name], os.environ if env is None else env)
+
+
+def _from_env(s: Setting, env: Mapping[str, str]) -> tuple[Any, str]:
+    text = env.get(s.variable, "")
+    if not text.strip():
+        return s.default, "default"
+    try:
+        return s.parse(text), "env"
+    except ValueError as e:
+        raise ValueError(f"bad setting {s.name} (from {s.variable}={text!r}): {e}") from None
+
+
+def read_environment(env: Mapping[str, str] | None = None) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """Every setting as the ``KVTIER_*`` variables alone give it, each variable read on its own, so that a bad one
+    hides none of the others: ``(name, value, source, variable)`` of every setting (what ``kvtier info`` prints;
+    source ``"env"``, ``"default"``, or ``"bad"`` for a bad variable, whose value is shown as it was given) and the
+    ``ValueError`` message of each bad variable. (Settings that do not go together are ``CacheSettings``'
+    business: arguments may complete them.)"""
+    env = os.environ if env is None else env
+    rows, errors = [], []
+    for s in REGISTRY:
+        try:
+            value, source = _from_env(s, env)
+        except ValueError as e:
+            errors.append(str(e))
+            rows.append((s.name, env[s.variable], "bad", s.variable))
+            continue
+        rows.append((s.name, s.default_text if value is None else s.show(value), source, s.variable))
+    return rows, errors
 
 
 def markdown_table() -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from kvtier._core import L3_CODES
+from kvtier.extras import l3_install_hint
 from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
@@ -328,9 +329,7 @@ class MooncakeStore:
         try:
             mooncake = import_mooncake()
         except ImportError as exc:
-            raise L3Unavailable(
-                f"mooncake is not importable ({exc}); install kvtier[l3] (kvtier[l3-cpu] without CUDA)"
-            ) from exc
+            raise L3Unavailable(f"mooncake is not importable ({exc}): {l3_install_hint()}") from exc
         store = mooncake.MooncakeDistributedStore()
         t0 = time.monotonic()
         try:

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvtier.extras import install_hint, l3_install_hint
+
 if TYPE_CHECKING:
     from kvtier.settings import CacheSettings
     from kvtier.tools.engine import EngineConfig
@@ -53,7 +55,8 @@ USAGE = (
     "\n`kvtier <command> --help` for its options and their defaults."
 )
 
-L3_EXTRA = 'pip install "kvtier[l3]" ("kvtier[l3-cpu]" on a machine without CUDA)'
+# What to install for the L3 tier (Mooncake), as kvtier's metadata names it.
+L3_EXTRA = l3_install_hint()
 
 
 # ---- argument parsing shared by the subcommands ---------------------------------------------------------------
@@ -130,11 +133,12 @@ def positive(kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
 
 def plot_file(text: str) -> str:
     """An argparse ``type``: a file matplotlib can write, checked before any work: matplotlib is importable, the
-    extension names a format it saves, the folder exists and the file can be written there."""
+    extension names a format it saves, the folder exists and the file can be written there (by writing it: a
+    permission check says yes to root where nothing can be written, as in /proc)."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise argparse.ArgumentTypeError(f'{text!r} needs matplotlib: pip install "kvtier[plot]"') from None
+        raise argparse.ArgumentTypeError(f"{text!r} needs matplotlib: {install_hint('plot')}") from None
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(text)[1].lstrip(".").lower()
     if ext not in formats:
@@ -145,8 +149,16 @@ def plot_file(text: str) -> str:
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder}")
-    if os.path.isdir(text) or not os.access(text if os.path.exists(text) else folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder")
+    existed = os.path.exists(text)
+    try:
+        with open(text, "ab"):  # appends nothing: an existing file is left as it is
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {e.strerror or e}") from None
+    if not existed:
+        os.remove(text)
     return text
 
 
@@ -154,16 +166,27 @@ def cache_settings(
     ap: argparse.ArgumentParser, *, page_bytes: int, state_bytes: int = 0, **arguments: Any
 ) -> CacheSettings:
     """The settings a command's caches get (its arguments over the KVTIER_* variables), with host pools of pages of
-    ``page_bytes`` (and states of ``state_bytes``) that fit in this machine: a bad value, the environment's
+    ``page_bytes`` (and states of ``state_bytes``) that fit in this machine: a bad value, any KVTIER_* variable's
     included, ends the command in one line (exit status 2) before any work."""
     from kvtier.settings import CacheSettings, check_fits
 
+    check_environment(ap)
     try:
         s = CacheSettings.resolve(None, **arguments)
         check_fits(s, page_slots=s.host_bytes // page_bytes, page_bytes=page_bytes, state_bytes=state_bytes)
     except ValueError as e:
         ap.error(str(e))
     return s
+
+
+def check_environment(ap: argparse.ArgumentParser) -> None:
+    """Every KVTIER_* variable, those a command's own arguments override included (a bad one is a mistake to report,
+    not to ignore): the first bad one ends the command in one line (exit status 2)."""
+    from kvtier.settings import read_environment
+
+    errors = read_environment()[1]
+    if errors:
+        ap.error(errors[0])
 
 
 def engine_config(ap: argparse.ArgumentParser, model: str, **fields: Any) -> EngineConfig:
@@ -198,7 +221,7 @@ def _runtime(version: Any) -> str | None:
 def info() -> dict[str, Any]:
     """What `kvtier info` reports: the build, the devices visible, the optional parts and the settings."""
     from kvtier import build_info
-    from kvtier.settings import CacheSettings
+    from kvtier.settings import CacheSettings, read_environment
 
     b = dict(build_info())
     out: dict[str, Any] = {
@@ -226,11 +249,14 @@ def info() -> dict[str, Any]:
         out["mooncake"] = True
     except ImportError:
         out["mooncake"] = False
-    try:
-        s = CacheSettings.resolve()
-        out["settings"] = [{"name": n, "value": v, "source": src, "variable": var} for n, v, src, var in s.explain()]
-    except ValueError as e:
-        out["settings_error"] = str(e)
+    rows, errors = read_environment()
+    if not errors:
+        try:
+            CacheSettings.resolve()  # the settings that do not go together
+        except ValueError as e:
+            errors.append(str(e))
+    out["settings"] = [{"name": n, "value": v, "source": src, "variable": var} for n, v, src, var in rows]
+    out["settings_errors"] = errors
     return out
 
 
@@ -252,9 +278,6 @@ def print_info(r: dict[str, Any]) -> None:
         print(f"  cuda:{i}  {name}")
     print(f"torch: {r['torch'] or 'not installed'}")
     print(f"mooncake (L3 tier): {'importable' if r['mooncake'] else f'not installed ({L3_EXTRA})'}")
-    if "settings_error" in r:
-        print(f"settings: {r['settings_error']}")
-        return
     print("settings (an argument wins over its KVTIER_* variable, the variable over the default):")
     width = max(len(s["name"]) for s in r["settings"])
     vwidth = max(len(str(s["value"])) for s in r["settings"])
@@ -271,7 +294,10 @@ def main_info(argv: Sequence[str]) -> int:
         print(json.dumps(r, indent=2))
     else:
         print_info(r)
-    return 1 if "settings_error" in r else 0
+    # Every setting is listed, a bad variable's among them (source "bad"); each error is one line on stderr.
+    for error in r["settings_errors"]:
+        print(f"{ap.prog}: error: {error}", file=sys.stderr)
+    return 2 if r["settings_errors"] else 0
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ DEMO_KEY = secrets.token_hex(16)
 # took the CPUs, and the times measure them as much as the cache.
 BUSY_WAIT_SHARE = 0.25
 LEVEL = 0.95
+# The host pool and state slots of the demo's caches, unless an option or KVTIER_HOST_BYTES / KVTIER_STATE_SLOTS say.
+HOST_MIB = 256
+STATE_SLOTS = 256
 
 
 class Progress:
@@ -100,7 +103,7 @@ def start(args: argparse.Namespace, label: str, cache_on: bool, l3_master: str |
     engine = Engine(engine_config(args))
     cache = None
     if cache_on:
-        cache = Cache(engine, size_bytes=args.host_mib << 20, num_state_slots=args.state_slots, **cache_args(l3_master))
+        cache = Cache(engine, size_bytes=args.host_bytes, num_state_slots=args.state_slots, **cache_args(l3_master))
         engine.cache = cache
         if l3_master and not cache.cache.flush_l3(20):
             raise RuntimeError(f"no Mooncake master at {l3_master}")
@@ -274,16 +277,19 @@ def print_table(r: dict[str, Any]) -> None:
         ("prompt tokens", f"{r['prompt_tokens']}", ""),
         ("prefill tokens computed", f"{r['prefill_tokens_off']}", f"{r['prefill_tokens_on']}"),
         ("token hit rate", "-", f"{r['hit_rate']:.1%}"),
-        ("pages / states GPU->host", "-", f"{r['pages_to_host']} / {r['states_to_host']}"),
-        ("pages / states host->GPU", "-", f"{r['pages_to_gpu']} / {r['states_to_gpu']}"),
-        ("MiB GPU->host / host->GPU", "-", f"{r['bytes_to_host'] / mib:.1f} / {r['bytes_to_gpu'] / mib:.1f}"),
+        ("pages / states to host", "-", f"{r['pages_to_host']} / {r['states_to_host']}"),
+        ("pages / states from host", "-", f"{r['pages_to_gpu']} / {r['states_to_gpu']}"),
+        ("MiB to host / from host", "-", f"{r['bytes_to_host'] / mib:.1f} / {r['bytes_to_gpu'] / mib:.1f}"),
         ("host pool pages used", "-", f"{r['host_pages_used']} of {r['host_page_slots']}"),
         ("host pool states used", "-", f"{r['host_states_used']} of {r['host_state_slots']}"),
-        ("GPU-pool deferrals", "-", f"{r['deferred']}"),
+        ("hits deferred (KV pool full)", "-", f"{r['deferred']}"),
     ]
     print(f"\n{'':<34} {'cache off':>24} {'cache on':>24}")
     for name, a, b in rows:
         print(f"{name:<34} {a:>24} {b:>24}")
+    where = "in GPU memory" if r["device"].startswith("cuda") else f"a CPU tensor (--device {r['device']})"
+    print(f"(the engine's KV pool is {where}; to host: copied from it to kvtier's host pool; from host: copied")
+    print(" back into it; a deferred hit waited for free blocks in the KV pool)")
     print(f"generated tokens with the cache on vs off: {verdict}")
     print(f"\ntimes (wall clock: they depend on the machine's load), median [{LEVEL:.0%} interval]:")
     timed = [
@@ -297,6 +303,11 @@ def print_table(r: dict[str, Any]) -> None:
     turns = zip(r["ttft_per_turn_off_ms"], r["ttft_per_turn_on_ms"], strict=True)
     for t, (a, b) in enumerate(turns):
         print(f"{f'TTFT, turn {t + 1} (ms)':<34} {ms(a):>24} {ms(b):>24}")
+    warn(r)
+
+
+def warn(r: dict[str, Any]) -> None:
+    """Says whether the run's times mean much (``r["noise"]``), and how busy the machine was."""
     if r["noise"]:
         print("WARNING: these times do not tell the cache's effect apart from noise: " + "; ".join(r["noise"]))
         print("  the counts above (prefill tokens, hit rate, identical outputs) do not depend on load")
@@ -316,8 +327,10 @@ def plot(r: dict[str, Any], path: str) -> None:
     for key, label, marker, dx, color in sides:
         figures = r[f"ttft_per_turn_{key}_ms"]
         each = r[f"ttft_each_{key}_ms"]
-        xs = [turn + 1 + dx for turn in range(len(turns)) for k in each if k.endswith(f"-t{turn}")]
-        ys = [v for turn in range(len(turns)) for k, v in each.items() if k.endswith(f"-t{turn}")]
+        # A log axis has no place for 0 ms (a request without a first token): such dots are left out.
+        dots = [(turn + 1 + dx, v) for turn in range(len(turns)) for k, v in each.items() if k.endswith(f"-t{turn}")]
+        xs = [x for x, v in dots if v > 0]
+        ys = [v for x, v in dots if v > 0]
         ax.scatter(xs, ys, s=8, alpha=0.35, marker=marker, color=color)
         medians = [f["median"] for f in figures]
         lows = [f["median"] - f["interval"][0] if f["interval"] else 0.0 for f in figures]
@@ -332,16 +345,11 @@ def plot(r: dict[str, Any], path: str) -> None:
             label=f"{label}: median, {LEVEL:.0%} interval",
         )
     ax.set_xticks(list(turns))
-    # From zero, unless a few slow requests would squeeze even the largest median into the axis' bottom 5%.
-    each = [v for key in ("off", "on") for v in r[f"ttft_each_{key}_ms"].values()]
-    medians = [f["median"] for key in ("off", "on") for f in r[f"ttft_per_turn_{key}_ms"]]
-    log = min(each) > 0 and max(each) > 20 * max(medians)
-    if log:
-        ax.set_yscale("log")
-    else:
-        ax.set_ylim(bottom=0)
+    # A log axis: the cache-on times are a fraction of the cache-off ones, and a few slow requests of a busy machine
+    # would flatten them against the bottom of a linear one. Equal ratios are equal heights.
+    ax.set_yscale("log")
     ax.set_xlabel("turn of the conversation (dots: each request)")
-    ax.set_ylabel("time to first token (ms" + (", log scale)" if log else ")"))
+    ax.set_ylabel("time to first token (ms, log scale)")
     title = f"kvtier demo: {r['model']} model on {r['device']}, hit rate {r['hit_rate']:.0%}"
     ax.set_title(title + ("\n(noisy run: see the warning)" if r["noise"] else ""), fontsize=10)
     ax.grid(alpha=0.3)
@@ -368,8 +376,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=at_least(1), default=64, help="prefill chunk, in tokens")
     ap.add_argument("--gpu-blocks", type=at_least(1), default=200, help="GPU KV pool, in blocks (small: it evicts)")
     ap.add_argument("--max-batch", type=at_least(1), default=4, help="sequences running at once")
-    ap.add_argument("--host-mib", type=at_least(1), default=256, help="host pool size, in MiB")
-    ap.add_argument("--state-slots", type=at_least(0), default=256, help="host state slots (models with state)")
+    ap.add_argument(
+        "--host-mib",
+        type=at_least(1),
+        help=f"host pool size, in MiB (default: KVTIER_HOST_BYTES when set, else {HOST_MIB})",
+    )
+    ap.add_argument(
+        "--state-slots",
+        type=at_least(0),
+        help=f"host state slots, models with state (default: KVTIER_STATE_SLOTS when set, else {STATE_SLOTS})",
+    )
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and the conversations")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (progress: stderr)")
     ap.add_argument(
@@ -404,11 +420,26 @@ def engine_config(args: argparse.Namespace, ap: argparse.ArgumentParser | None =
 
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Everything that would fail later, checked before the first request (one line, exit status 2): the engine,
-    the workload against its pool, the cache's settings (the KVTIER_* variables included) against this machine,
-    and Mooncake for --l3."""
-    from kvtier.tools.cli import L3_EXTRA, cache_settings
+    """Everything that would fail later, checked before the first request (one line, exit status 2): the KVTIER_*
+    variables, the engine, the workload against its pool, the cache's settings against this machine, and Mooncake
+    for --l3. Sets ``args.host_bytes`` and ``args.state_slots``: the options, else the variables, else the demo's
+    defaults."""
+    from kvtier.settings import from_environment
+    from kvtier.tools.cli import L3_EXTRA, cache_settings, check_environment
 
+    check_environment(ap)
+    host_bytes, source = from_environment("host_bytes")
+    if args.host_mib is not None:
+        args.host_bytes, host = args.host_mib << 20, f"--host-mib {args.host_mib}"
+    elif source == "env":
+        args.host_bytes, host = host_bytes, f"KVTIER_HOST_BYTES={os.environ['KVTIER_HOST_BYTES']}"
+    else:
+        args.host_bytes, host = HOST_MIB << 20, f"the default --host-mib {HOST_MIB}"
+    slots = "--state-slots"
+    if args.state_slots is None:
+        state_slots, source = from_environment("state_slots")
+        args.state_slots = state_slots if source == "env" else STATE_SLOTS
+        slots = "KVTIER_STATE_SLOTS" if source == "env" else slots
     cfg = engine_config(args, ap)
     longest = workload(args).max_tokens
     if -(-longest // cfg.block_size) > cfg.num_gpu_blocks:
@@ -417,15 +448,15 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"{-(-longest // cfg.block_size)} blocks of {cfg.block_size}"
         )
     has_state = cfg.num_sliding_layers > 0 and cfg.state_bytes > 0
-    if args.host_mib << 20 < cfg.page_bytes:
-        ap.error(f"--host-mib {args.host_mib} holds no page of {cfg.page_bytes} bytes")
+    if args.host_bytes < cfg.page_bytes:
+        ap.error(f"{host} holds no page of {cfg.page_bytes} bytes")
     if has_state and args.state_slots == 0:
-        ap.error(f"--state-slots must be > 0 for the {args.model} model, which has state")
+        ap.error(f"{slots} must be > 0 for the {args.model} model, which has state")
     cache_settings(
         ap,
         page_bytes=cfg.page_bytes,
         state_bytes=cfg.state_bytes if has_state else 0,
-        host_bytes=args.host_mib << 20,
+        host_bytes=args.host_bytes,
         state_slots=args.state_slots if has_state else 0,
         **cache_args("127.0.0.1:1" if args.l3 else None),  # a placeholder: the local master's port comes later
     )
@@ -452,13 +483,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     share = wait_share(before, cpu_times())
     on.close()
     r = summarize(args, off, on, share)
-    if args.plot:
-        plot(r, args.plot)
     if args.json:
         print(json.dumps(r))
     else:
         print_table(r)
-        if args.plot:
+    if args.plot:
+        # Checked writable before the run; should it fail now all the same, the figures are out already.
+        try:
+            plot(r, args.plot)
+        except OSError as e:
+            print(f"kvtier demo: error: --plot {args.plot}: {e}", file=sys.stderr)
+            return 2
+        if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if r["identical"] else 1
 
@@ -472,27 +508,15 @@ def main_l3(args: argparse.Namespace) -> int:
     progress = Progress(3 * args.turns, args.quiet)
     warm_up(args)
     with LocalMooncake(segment_bytes=1 << 30, lease_ttl_ms=200) as server:
+        before = cpu_times()
         off, a = start(args, "cache off", False), start(args, "instance A", True, server.master_addr)
         take_turns([off, a], args.turns, progress)
         a.close()
         b = start(args, "instance B", True, server.master_addr)
         take_turns([b], args.turns, progress)
         b.close()
-    keys = (
-        "l3_puts_submitted",
-        "l3_bytes_put",
-        "l3_lookups",
-        "l3_hits",
-        "l3_pages_loaded",
-        "l3_states_loaded",
-        "l3_bytes_loaded",
-        "l3_gets_failed",
-        "l3_get_seconds",
-        "l3_deadline_passed",
-        "l3_errors",
-        "hits",
-        "token_hit_rate",
-    )
+        share = wait_share(before, cpu_times())
+    keys = [key for key, _ in L3_ROWS]
     r: dict[str, Any] = {
         "identical": off.outputs == a.outputs == b.outputs,
         "prefill_tokens_off": off.prefill_tokens,
@@ -503,7 +527,10 @@ def main_l3(args: argparse.Namespace) -> int:
         "ttft_b_ms": figure(list(b.ttft_ms.values())),
         "a": {k: a.stats.get(k, 0) for k in keys},
         "b": {k: b.stats.get(k, 0) for k in keys},
+        "cpu_wait_share": share,
     }
+    # Instance B's times are the L3 tier's story: they are the ones set against the cache off.
+    r["noise"] = noise(r["ttft_off_ms"], r["ttft_b_ms"], share)
     if args.json:
         print(json.dumps(r))
         return 0 if r["identical"] else 1
@@ -512,16 +539,39 @@ def main_l3(args: argparse.Namespace) -> int:
         f"{'prefill tokens computed':<34} {r['prefill_tokens_off']:>22} {r['prefill_tokens_a']:>22} "
         f"{r['prefill_tokens_b']:>22}"
     )
-    for k in keys:
-        fmt = (lambda v: f"{v:.3f}") if isinstance(a.stats.get(k, 0), float) else str
-        print(f"{k:<34} {'-':>22} {fmt(r['a'][k]):>22} {fmt(r['b'][k]):>22}")
-    print(
-        f"{'TTFT (ms), median [95% interval]':<34} {ms(r['ttft_off_ms']):>22} {ms(r['ttft_a_ms']):>22} "
-        f"{ms(r['ttft_b_ms']):>22}"
-    )
+    for k, label in L3_ROWS:
+        show = L3_UNITS.get(k, str)
+        print(f"{label:<34} {'-':>22} {show(r['a'][k]):>22} {show(r['b'][k]):>22}")
     verdict = "identical" if r["identical"] else "DIFFERENT (a bug: please report it)"
     print(f"generated tokens, cache off / instance A / instance B: {verdict}")
+    print(f"\ntimes (wall clock: they depend on the machine's load), median [{LEVEL:.0%} interval]:")
+    print(f"{'TTFT (ms)':<34} {ms(r['ttft_off_ms']):>22} {ms(r['ttft_a_ms']):>22} {ms(r['ttft_b_ms']):>22}")
+    warn(r)
     return 0 if r["identical"] else 1
+
+
+# The L3 statistics the `--l3 local` table shows (the JSON output keeps their names), and how some are shown.
+L3_ROWS = (
+    ("l3_puts_submitted", "objects put to L3"),
+    ("l3_bytes_put", "MiB put to L3"),
+    ("l3_lookups", "requests looked up in L3"),
+    ("l3_hits", "L3 fetches that brought pages"),
+    ("l3_pages_loaded", "pages loaded from L3"),
+    ("l3_states_loaded", "states loaded from L3"),
+    ("l3_bytes_loaded", "MiB loaded from L3"),
+    ("l3_gets_failed", "L3 gets failed"),
+    ("l3_get_seconds", "seconds in L3 gets"),
+    ("l3_deadline_passed", "L3 fetches past their deadline"),
+    ("l3_errors", "L3 errors"),
+    ("hits", "requests resumed from the host"),
+    ("token_hit_rate", "token hit rate"),
+)
+L3_UNITS: dict[str, Any] = {
+    "l3_bytes_put": lambda v: f"{v / (1 << 20):.1f}",
+    "l3_bytes_loaded": lambda v: f"{v / (1 << 20):.1f}",
+    "l3_get_seconds": lambda v: f"{v:.3f}",
+    "token_hit_rate": lambda v: f"{v:.1%}",
+}
 
 
 if __name__ == "__main__":

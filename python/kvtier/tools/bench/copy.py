@@ -101,6 +101,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, values, low in lists:
         if not values or min(values) < low:
             ap.error(f"argument --{name}: every value must be >= {low}, got {values}")
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device is visible: the copy kernel and the copy engine need one")
     return args
 
 
@@ -372,8 +376,6 @@ def _gemm_cost(
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("kvtier bench copy needs a CUDA device")
     dev = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows: list[dict[str, Any]] = []

@@ -27,7 +27,7 @@ LAYOUTS = ("layer-first", "page-first")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.cli import at_least, check_environment, parser
 
     def lengths(text: str) -> list[int]:
         return [at_least(64)(t) for t in text.split(",")]
@@ -55,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = a.methods.split(",")
     if any(m not in ("auto", "kernel", "dma") for m in methods):
         ap.error(f"--methods: each must be one of auto, kernel, dma, got {a.methods!r}")
+    check_environment(ap)
     import torch
 
     if not torch.cuda.is_available():

@@ -35,7 +35,7 @@ LAYOUTS = ("layer-first", "page-first")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.cli import at_least, check_environment, parser
     from kvtier.tools.engine.config import PRESETS
 
     ap = parser("kvtier bench overlap", __doc__)
@@ -55,6 +55,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad or not layouts:
         ap.error(f"argument --layouts: each must be one of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     args.layouts = layouts
+    check_environment(ap)
+    import torch
+
+    if args.device != "cpu" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device is visible (--device cpu tries the script on the CPU)")
     return args
 
 
@@ -346,11 +351,7 @@ def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import torch
-
     args = parse_args(argv)
-    if args.device != "cpu" and not torch.cuda.is_available():
-        raise SystemExit("kvtier bench overlap needs a CUDA device")
     for layout in args.layouts:
         for row in ttft_rows(args, layout) + decode_rows(args, layout):
             _emit(row, args.json)

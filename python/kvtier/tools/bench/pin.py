@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = parser("kvtier bench pin", __doc__)
     ap.add_argument("--host-gib", type=positive(), default=64, help="host pool to pin, in GiB")
     ap.add_argument("--pin-step-mib", type=at_least(1), default=256, help="pin step, in MiB")
-    ap.add_argument("--device", default="cuda", help="cpu or cuda")
+    ap.add_argument("--device", default="cuda", help="the CUDA device (a CPU pool's host pool is not pinned)")
     ap.add_argument("--model", default="small", help="model size preset of the reference engine")
     ap.add_argument("--after-seconds", type=at_least(0, float), default=5.0, help="serve this long after pinning")
     ap.add_argument("--max-seconds", type=positive(), default=120.0, help="give up after this long")
@@ -42,8 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {a.device}: no CUDA device is visible (--device cpu pins and serves on the CPU)")
+    if not a.device.startswith("cuda"):
+        ap.error(
+            f"--device {a.device}: only a CUDA pool's host pool is pinned (a CPU pool's is usable at once, its "
+            "memory committed as it is first written): there is no pinning to time"
+        )
+    if not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA device is visible")
     cfg = engine_config(ap, a.model, device=a.device, num_gpu_blocks=512, max_batch=8)
     host_bytes = int(a.host_gib * (1 << 30))
     state_slots = 4096 if cfg.num_sliding_layers else 0

@@ -2,7 +2,9 @@
 
 A trace is Mooncake's format (one JSON object a line: `input_length` tokens, `hash_ids` one id per block of the
 prompt, the last one covering a partial block; two requests whose first k ids are equal share their first k
-blocks). Every hash id becomes its own token ids (`id * block_size + j`), so the index's chained keys reproduce the
+blocks), plain or gzip-compressed (`.gz`). Without one, the benchmark replays the trace that ships with kvtier: the
+first ten minutes of Mooncake's public FAST'25 conversation trace (1,750 requests; its README says where the whole
+hour is). Every hash id becomes its own token ids (`id * block_size + j`), so the index's chained keys reproduce the
 trace's prefix sharing exactly. The rules are the seed's: requests one at a time in file order; a hit is the
 cached prefix capped at `floor((n - 1) / block_size)` blocks (keep_tokens 1, no minimum hit), loaded; then every
 full block of the prompt is stored. The unbounded row is a pool that never evicts: the most any policy can serve.
@@ -21,6 +23,7 @@ prompts' full pages. All configurations read each request once: one pass over th
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -28,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,8 @@ import numpy as np
 from kvtier import EVICTION_POLICIES, Index, IndexConfig
 
 DEFAULT_POOLS = "1M,3M,10M,30M"
+# The first ten minutes of Mooncake's FAST'25 conversation trace (traces/README.md: source, licence, changes).
+SHIPPED_TRACE = Path(__file__).resolve().parent / "traces" / "conversation_10min.jsonl.gz"
 SYNTHETIC = ("agents", "recency", "scans")
 TOKEN_LIMIT = 2**31  # token ids are 0 <= id < 2**31
 _TOKENS = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgKMG]?)\s*$")
@@ -47,9 +53,10 @@ class Request:
 
 
 def read_trace(path: str) -> list[Request]:
-    """The requests of a Mooncake-format trace; ValueError naming the line of a bad record."""
+    """The requests of a Mooncake-format trace (gzip-compressed when its name ends in .gz); ValueError naming the line
+    of a bad record."""
     out = []
-    with open(path) as f:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -280,10 +287,15 @@ def plot(out: dict[str, Any], path: str, name: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.cli import at_least, parser, plot_file
 
     ap = parser("kvtier bench trace", __doc__.splitlines()[0])
-    ap.add_argument("trace", nargs="?", help="a Mooncake-format trace (.jsonl); or --synthetic")
+    ap.add_argument(
+        "trace",
+        nargs="?",
+        help="a Mooncake-format trace (.jsonl, or .jsonl.gz); default: the one kvtier ships, the first ten minutes "
+        "of Mooncake's FAST'25 conversation trace (or --synthetic)",
+    )
     ap.add_argument("--synthetic", choices=SYNTHETIC, help="replay a generated trace of this shape")
     ap.add_argument("--requests", type=at_least(1), default=12_000, help="--synthetic: requests")
     ap.add_argument("--seed", type=int, default=1, help="--synthetic: seed")
@@ -296,10 +308,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--block-size", type=at_least(1), default=None, help="tokens a block (default: the trace's, 512 for Mooncake's)"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--plot", metavar="PNG", help="write token hit rate against pool size, one line per policy")
+    ap.add_argument(
+        "--plot", type=plot_file, metavar="FILE.png", help="write token hit rate against pool size, one line a policy"
+    )
     a = ap.parse_args(argv)
-    if (a.trace is None) == (a.synthetic is None):
-        ap.error("give a trace file or --synthetic, not both")
+    if a.trace is not None and a.synthetic is not None:
+        ap.error(f"give a trace file or --synthetic, not both (got {a.trace!r} and --synthetic {a.synthetic})")
+    if a.trace is None and a.synthetic is None:
+        a.trace = str(SHIPPED_TRACE)
     if a.write and not a.synthetic:
         ap.error("--write needs --synthetic")
     try:
@@ -310,11 +326,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [p for p in a.policies if p not in EVICTION_POLICIES]
     if bad or len(set(a.policies)) != len(a.policies):
         ap.error(f"argument --policies: each of {', '.join(EVICTION_POLICIES)} at most once, got {a.policies}")
-    if a.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            ap.error('--plot needs matplotlib (pip install "kvtier[plot]")')
     if a.trace is not None:
         try:
             a.requests_read = read_trace(a.trace)
