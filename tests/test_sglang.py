@@ -128,8 +128,8 @@ def test_factory_builds_it_from_the_flag_and_pages_round_trip(
         assert torch.equal(page(pool, 8 + p), page(pool, p)), p
     assert storage.batch_set_v1(keys, tokens(0)) == [True] * PAGES  # present: nothing is put again
     stats = storage.stats()
-    assert (stats["sglang_pages_put"], stats["sglang_pages_present"]) == (PAGES, PAGES)
-    assert (stats["sglang_pages_loaded"], stats["sglang_rejected"], stats["sglang_store_errors"]) == (PAGES, 0, 0)
+    assert (stats["l3_objects_put"], stats["l3_puts_present"]) == (PAGES, PAGES)
+    assert (stats["l3_objects_loaded"], stats["l3_rejected"], stats["l3_store_errors"]) == (PAGES, 0, 0)
     assert storage.store_keys(keys)[0].startswith(f"kvtier/v{L3_FORMAT_VERSION}/{storage.fingerprint}/g1/")
 
 
@@ -184,7 +184,7 @@ def test_planted_values_are_rejected_counted_and_removed(
     before = [page(pool, 8 + p) for p in range(PAGES)]
     assert a.batch_get_v1(keys, tokens(8)) == [False, False, False, True]
     stats = a.stats()
-    assert (stats["sglang_rejected"], stats["sglang_rejected_removed"], stats["sglang_pages_loaded"]) == (3, 3, 1)
+    assert (stats["l3_rejected"], stats["l3_rejected_removed"], stats["l3_objects_loaded"]) == (3, 3, 1)
     assert torch.equal(page(pool, 11), page(pool, 3))
     if not zero_copy:  # staged: a value of the wrong length never reaches the host pool
         assert torch.equal(page(pool, 10), before[2])
@@ -254,7 +254,7 @@ def test_sglangs_own_mooncake_tests_pass_on_kvtier(
 
     monkeypatch.setattr(theirs, "MooncakeStore", kvtier_store)
     run_sglang_mooncake_tests(theirs)
-    assert len(closing) == 5 and all(s.stats()["sglang_rejected"] == 0 for s in closing)
+    assert len(closing) == 5 and all(s.stats()["l3_rejected"] == 0 for s in closing)
 
 
 def run_sglang_mooncake_tests(theirs: Any) -> None:
@@ -337,7 +337,7 @@ def test_a_hybrid_models_states_round_trip_through_the_v2_calls(
     }
     assert set(storage.store_keys(keys, PoolName.MAMBA)).isdisjoint(storage.store_keys(keys))
     stats = storage.stats()
-    assert (stats["sglang_pages_put"], stats["sglang_pages_loaded"], stats["sglang_rejected"]) == (5, 5, 0)
+    assert (stats["l3_objects_put"], stats["l3_objects_loaded"], stats["l3_rejected"]) == (5, 5, 0)
 
 
 def test_planted_states_are_rejected_and_mamba_states_stay_rank_sharded_in_an_mla_model(
@@ -354,7 +354,7 @@ def test_planted_states_are_rejected_and_mamba_states_stay_rank_sharded_in_an_ml
     before = state(mamba, 4)
     got = storage.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([3, 4]))])
     assert got == {PoolName.MAMBA: [False, False]}
-    assert storage.stats()["sglang_rejected"] == 2
+    assert storage.stats()["l3_rejected"] == 2
     assert all(torch.equal(a, b) for a, b in zip(state(mamba, 4), before, strict=True)), "staged: never loaded"
 
     # An MLA model's KV is one object for every TP rank; its Mamba states are each rank's own.
@@ -380,7 +380,7 @@ def test_bad_v2_calls_name_the_bad_value(mooncake_server: Any, closing: list[Any
     bad = PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([0]))
     with pytest.raises(ValueError):
         storage.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=tokens(0, 2)), bad])
-    assert storage.stats()["sglang_pages_put"] == 0 and storage.batch_exists(keys) == 0
+    assert storage.stats()["l3_objects_put"] == 0 and storage.batch_exists(keys) == 0
 
 
 def test_bad_settings_are_refused_before_connecting(mooncake_server: Any) -> None:
@@ -421,7 +421,7 @@ def test_bad_calls_name_the_bad_value(mooncake_server: Any, closing: list[Any]) 
         store.batch_set_v1(keys, tokens(0, 2).float())
     with pytest.raises(ValueError, match=r"values\[0\]"):
         store.batch_set(keys[:1], [torch.zeros(4, 4).t()])
-    assert store.stats()["sglang_pages_put"] == 0
+    assert store.stats()["l3_objects_put"] == 0
 
 
 def test_the_deprecated_tensor_calls_round_trip(mooncake_server: Any, closing: list[Any]) -> None:

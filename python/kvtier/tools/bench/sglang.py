@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "batch_get_v1_GBps": round(a.pages * page_bytes / get / 1e9, 3),
             }
             if hasattr(storage, "stats"):
-                results[name]["rejected"] = storage.stats()["sglang_rejected"]
+                results[name]["rejected"] = storage.stats()["l3_rejected"]
             if hasattr(storage, "close"):
                 storage.close()
     base = results["sglang mooncake"]
