@@ -26,7 +26,7 @@ BAD = [
     (["--workloads", "prefix,chat"], "--workloads: unknown workload 'chat'"),
     (["--configs", "none,lmcache"], "--configs: unknown configuration 'lmcache'"),
     (["--configs", "native", "--workloads", "prefix"], "the prefix workload needs 'none'"),
-    (["--workloads", "trace"], "--trace: the trace workload needs a trace file"),
+    (["--workloads", "trace", "--trace", "/nonexistent/t.jsonl"], "--trace: no trace file '/nonexistent/t.jsonl'"),
     (["--workloads", "prefix", "--lengths", "4096"], "--lengths: '4096' is not TOKENSxPROMPTS"),
     (["--workloads", "prefix", "--lengths", "8x2"], "needs at least 16 tokens and one prompt"),
     (["--workloads", "prefix", "--noreuse", "4096x0"], "needs at least 16 tokens and one prompt"),

@@ -12,7 +12,8 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   hit plus the prefix bytes at memcpy speed.
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
-- `trace`: a Mooncake-format trace (the requests in file order, one at a time, one output token: a request's time is
+- `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
+  `kvtier bench trace` replays; the requests in file order, one at a time, one output token: a request's time is
   its time to first token), every hash id its own block of token ids, prompts capped at `--trace-max-tokens`.
 - `l3`: kvtier's Mooncake tier under vLLM's tiering spec, with a local master and holder this starts: one process
   runs turn 1 of the prefix workload and exits; a second, new process then runs turn 2, served from the Store.
@@ -460,7 +461,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=at_least(1), default=3, help="no-reuse runs; the median is reported")
     ap.add_argument("--host-gib", type=positive(float), default=16.0, help="host bytes of every offloading tier")
     ap.add_argument("--trace-host-gib", type=positive(float), default=8.0, help="host bytes for the trace")
-    ap.add_argument("--trace", help="Mooncake-format trace for the trace workload")
+    from kvtier.tools.bench.trace import SHIPPED_TRACE
+
+    ap.add_argument(
+        "--trace",
+        default=str(SHIPPED_TRACE),
+        help="a Mooncake-format trace (.jsonl or .jsonl.gz) for the trace workload; default: the excerpt kvtier ships",
+    )
     ap.add_argument("--trace-requests", type=at_least(1), default=1000, help="the trace's first requests replayed")
     ap.add_argument("--trace-max-tokens", type=at_least(BLOCK), default=16384, help="trace prompts cut here")
     ap.add_argument(
@@ -487,8 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--configs: unknown configuration {name!r} ({', '.join(CONFIGS)})")
     if "prefix" in workloads and "none" not in configs:
         ap.error("--configs: the prefix workload needs 'none' (its recompute, GPU-hit and memcpy baselines)")
-    if "trace" in workloads and not args.trace:
-        ap.error("--trace: the trace workload needs a trace file")
+    if "trace" in workloads and not os.path.isfile(args.trace):
+        ap.error(f"--trace: no trace file {args.trace!r}")
     try:
         lengths = parse_lengths(args.lengths)
         if args.noreuse:
