@@ -212,7 +212,7 @@ class KvtierManager(OffloadingManager):
         return HOST_HIT_SOURCE
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        # vLLM up to 0.31 calls this for the blocks a request reuses: the ready pages count as a use, the first key
+        # vLLM up to 0.30 calls this for the blocks a request reuses: the ready pages count as a use, the first key
         # the most recent (a store of keys all on the host holds them and releases them deepest first).
         ready = [k for k in dict.fromkeys(keys) if self.index.key_state(k) == _READY]
         plan = self.index.store_keys(ready) if ready else None
