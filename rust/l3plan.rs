@@ -253,6 +253,17 @@ impl Planner {
             return Err(invalid(format!("need {} exists codes, got {}", probe.exists_keys.len(), codes.len())));
         }
         let end = |i: usize| probe.keys[(probe.g0 + i + 1) * g - 1];
+        // A group this tier put that the Store says it no longer has (evicted, or removed by another reader) is
+        // gone: a "STORAGE" removed event, and a later store may put it again. (A put still in flight reads as
+        // gone too; its "stored" event follows when it lands.)
+        let mut gone = Vec::new();
+        for (i, _) in codes[..n_groups].iter().enumerate().filter(|(_, &c)| c == 0) {
+            if self.seen.remove(end(i)) {
+                let first = (probe.g0 + i) * g;
+                gone.extend_from_slice(&probe.keys[first..first + g]);
+            }
+        }
+        ix.record_storage(true, gone);
         let mut run = codes[..n_groups].iter().take_while(|&&c| c == 1).count();
         // Groups the host partly holds are read whole (the digest covers every page) into the scratch buffer;
         // cut the run where scratch runs out.
@@ -479,6 +490,7 @@ impl Tier<'_> {
 mod tests {
     use super::*;
     use crate::chain::HashKind;
+    use crate::events::Medium;
     use crate::index::Config;
     use crate::l3path::test_store::MapStore;
     use crate::l3path::{Answer, WRONG_LENGTH};
@@ -506,6 +518,7 @@ mod tests {
 
     fn setup(g: usize, page_slots: u32, state_slots: u32, staging: Option<usize>) -> Cache {
         let cfg = Config {
+            event_buffer: 1024,
             min_hit_tokens: 0,
             state_lookback_blocks: 8,
             ring_slack: 1000,
@@ -671,6 +684,29 @@ mod tests {
         let again = store_and_put(&mut c, &store, "c2", &tokens).1.unwrap();
         assert_eq!((again.objects, again.present, again.failed.len()), (1, 0, 0));
         assert!(matches!(fetch(&setup(2, 16, 0, None), &store, "d", &tokens), Fetched::Admitted { .. }));
+    }
+
+    /// A group this tier put that the Store no longer has (evicted there) is a "STORAGE" removed event when a
+    /// probe finds it gone, and is put again by the next store of it.
+    #[test]
+    fn a_put_group_the_store_lost_is_a_removed_event_and_is_put_again() {
+        let store = MapStore::default();
+        let mut a = setup(2, 4, 0, None);
+        let tokens: Vec<i32> = (0..17).collect();
+        assert_eq!(store_and_put(&mut a, &store, "a", &tokens).1.unwrap().objects, 2);
+        store.values.borrow_mut().clear(); // the Store evicted both groups
+        let other: Vec<i32> = (100..117).collect();
+        store_and_put(&mut a, &store, "b", &other); // a's pages leave the 4-slot host pool
+        let keys = a.ix().keys("a").unwrap()[..4].to_vec();
+        a.ix().take_events();
+        assert!(matches!(fetch(&a, &store, "a", &tokens), Fetched::Miss | Fetched::Refused { .. }));
+        let events = a.ix().take_events();
+        let removed: Vec<_> =
+            events.iter().filter(|e| e.removed && e.medium == Medium::Storage).flat_map(|e| e.keys.clone()).collect();
+        assert_eq!(removed, keys);
+        let again = store_and_put(&mut a, &store, "a2", &tokens).1.unwrap();
+        assert_eq!((again.objects, again.present), (2, 0), "both groups put again");
+        assert!(a.ix().take_events().iter().all(|e| !(e.removed && e.medium == Medium::Storage)), "not twice");
     }
 
     #[test]
