@@ -183,7 +183,9 @@ class HostPrefixCache:
 
     def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor]) -> PageCopier:
         s = self.settings
-        return PageCopier(pages, self._host.pages, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes)
+        return PageCopier(
+            pages, self._host.pages, ctas=s.copy_ctas, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes
+        )
 
     def _abandon(self) -> None:
         """In a child made by fork(): every call is a no-op and ``close()`` returns at once. The cache's memory,

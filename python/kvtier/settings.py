@@ -270,6 +270,14 @@ REGISTRY: tuple[Setting, ...] = (
         choices=("auto", "kernel", "dma"),
     ),
     S("copy_crossover_bytes", BYTES, 64 << 10, "piece size from which `auto` takes the copy engine", minimum=16),
+    S(
+        "copy_ctas",
+        INT,
+        8,
+        "CUDA thread blocks the copy kernel uses at most (fewer leave more SMs to the model)",
+        minimum=1,
+        maximum=65535,
+    ),
     S("copy_streams", BOOL, True, "copies on kvtier's own streams ordered by events; false: on the engine's stream"),
     S("layerwise_loads", BOOL, False, "loads issued layer by layer; the engine calls `wait_layer(l)` before layer l"),
 )

@@ -22,8 +22,8 @@ connector passes between them, the chunk ids in the load/store specs. So:
   complete at once.
 
 The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings: ``host_bytes``,
-``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``, ``copy_streams``. Any bad value
-raises ``ValueError`` naming it when vLLM builds the spec.
+``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``, ``copy_ctas``, ``copy_streams``.
+Any bad value raises ``ValueError`` naming it when vLLM builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
@@ -103,6 +103,7 @@ SETTING_KEYS = (
     "event_buffer",
     "copy_method",
     "copy_crossover_bytes",
+    "copy_ctas",
     "copy_streams",
 )
 # Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
@@ -373,6 +374,7 @@ class KvtierWorker(OffloadingWorker):
         blocks_per_chunk: int = 1,
         copy_method: str = "auto",
         copy_crossover_bytes: int | None = None,
+        copy_ctas: int | None = None,
         copy_streams: bool = True,
     ) -> None:
         if not isinstance(kv_caches, CanonicalKVCaches):
@@ -386,6 +388,7 @@ class KvtierWorker(OffloadingWorker):
             blocks_per_chunk=blocks_per_chunk,
             copy_method=copy_method,
             copy_crossover_bytes=copy_crossover_bytes,
+            copy_ctas=copy_ctas,
             copy_streams=copy_streams,
         )
 
@@ -553,6 +556,7 @@ class KvtierSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 copy_method=s.copy_method,
                 copy_crossover_bytes=s.copy_crossover_bytes,
+                copy_ctas=s.copy_ctas,
                 copy_streams=s.copy_streams,
             )
         return self._worker

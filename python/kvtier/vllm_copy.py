@@ -72,6 +72,7 @@ class ChunkCopier:
         blocks_per_chunk: int = 1,
         copy_method: str = "auto",
         copy_crossover_bytes: int | None = None,
+        copy_ctas: int | None = None,
         copy_streams: bool = True,
     ) -> None:
         import torch
@@ -112,7 +113,13 @@ class ChunkCopier:
             pool.grow_to(slots)
             self.host_pools.append(pool)
             self.copiers.append(
-                PageCopier([rows[i] for i in members], pool, method=copy_method, crossover_bytes=copy_crossover_bytes)
+                PageCopier(
+                    [rows[i] for i in members],
+                    pool,
+                    ctas=copy_ctas,
+                    method=copy_method,
+                    crossover_bytes=copy_crossover_bytes,
+                )
             )
         self.group_runs: list[list[_Run]] = []
         self.group_bytes: list[int] = []
