@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import inspect
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -978,6 +979,37 @@ def settle(manager: Any, until: Any, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_mooncake_tier_warns_when_vllm_seeds_its_block_hashes_at_random(
+    mooncake_master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without PYTHONHASHSEED vLLM's block hashes (the Store's keys) differ in every process: an instance started
+    # later never finds what an earlier one stored, which the tier says when it is built.
+    tier_module = vllm_tier()
+    handler = _Messages()
+    logger = logging.getLogger("kvtier.vllm")
+    logger.addHandler(handler)
+    try:
+        for seed in (None, "0"):
+            if seed is None:
+                monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+            else:
+                monkeypatch.setenv("PYTHONHASHSEED", seed)
+            handler.messages.clear()
+            tiering_spec(mooncake_master).get_manager().shutdown()
+            assert (tier_module.UNSEEDED_HASHES in handler.messages) == (seed is None), seed
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_mooncake_tier_keeps_chunks_vllms_cpu_tier_evicted_and_serves_them_back_verified(mooncake_master: str) -> None:
     KvtierMooncakeTier = vllm_tier().KvtierMooncakeTier
 
@@ -1190,3 +1222,14 @@ def test_the_worker_copies_with_the_kernel_unless_told_otherwise() -> None:
     assert kv.resolve_settings({}, env={}).copy_method == "kernel"
     assert kv.resolve_settings({"copy_method": "auto"}, env={}).copy_method == "auto"
     assert kv.resolve_settings({}, env={"KVTIER_COPY_METHOD": "dma"}).copy_method == "dma"
+
+
+def test_the_worker_kernel_takes_two_ctas_unless_told_otherwise() -> None:
+    # Stores run beside the model's GEMMs: on a real engine 2 CTAs cost a no-reuse run 0.6% of its throughput,
+    # 8 cost 4.7% (docs/VLLM.md).
+    assert kv.resolve_settings({}, env={}).copy_ctas == kv.WORKER_COPY_CTAS == 2
+    assert kv.resolve_settings({"copy_ctas": 8, "copy_method": "dma"}, env={}).copy_ctas == 8
+    settings = kv.resolve_settings({"copy_method": "dma"}, env={"KVTIER_COPY_CTAS": "4"})
+    assert (settings.copy_ctas, settings.copy_method, settings.sources["copy_ctas"]) == (4, "dma", "env")
+    with pytest.raises(ValueError, match="copy_ctas"):
+        kv.resolve_settings({"copy_ctas": 0}, env={})

@@ -27,6 +27,7 @@ events from 0.28 on; before, none are recorded).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -58,6 +59,12 @@ from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.settings import CacheSettings
 
 log = logging.getLogger("kvtier.vllm")
+# vLLM seeds its block hashes, the keys of this tier's objects, at random in each process unless PYTHONHASHSEED is set.
+UNSEEDED_HASHES = (
+    "KvtierMooncakeTier: PYTHONHASHSEED is not set, so vLLM seeds its block hashes (the Store's keys) at random in "
+    "this process: no other instance, and not this one after a restart, will find the objects it stores. Set "
+    "PYTHONHASHSEED to the same value on every instance that shares the Store."
+)
 
 # kvtier settings a tier's config may carry; vLLM's own keys of a tier config are left to vLLM.
 TIER_SETTINGS = (
@@ -157,6 +164,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
         }
         super().__init__(**{k: v for k, v in base.items() if k in TIER_BASE_PARAMETERS})
         self.settings = s = tier_settings(config)
+        if os.environ.get("PYTHONHASHSEED") is None:
+            log.warning(UNSEEDED_HASHES)
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2 or rows.dtype.itemsize != 1:
             raise ValueError(f"primary_kv_view must be [chunks, bytes] of bytes, got shape {rows.shape} {rows.dtype}")

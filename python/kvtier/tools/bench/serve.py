@@ -327,6 +327,8 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     """One configuration's figures (this process holds one engine)."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # One seed of vLLM's block hashes in every process, so a second instance finds what the first stored in the Store.
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     from vllm import LLM
 
     t0 = time.perf_counter()
