@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvtier import BadArgument
 from kvtier.cache import HostPrefixCache
 from kvtier.identity import Shard, model_identity
 
@@ -50,7 +51,7 @@ def engine_shard(engine: Any) -> Shard:
 
 def _field(seq: Any, path: str) -> Any:
     """``seq.<path>`` of an engine sequence (``"get_len()"`` calls it); whatever goes wrong reading it is the
-    engine's argument: a TypeError."""
+    engine's argument: a ``BadArgument``, whose cause is what the engine's sequence raised."""
     try:
         value = seq
         for part in path.split("."):
@@ -59,12 +60,12 @@ def _field(seq: Any, path: str) -> Any:
                 value = value()
         return value
     except Exception as e:  # noqa: BLE001 - any failure to read the engine's sequence is a bad argument
-        raise TypeError(f"the sequence ({type(seq).__name__}) has no usable {path}: {type(e).__name__}: {e}") from e
+        raise BadArgument(f"the sequence ({type(seq).__name__}) has no usable {path}: {type(e).__name__}: {e}") from e
 
 
 def _sequences(seqs: Any, what: str) -> list[Any]:
     if seqs is None or isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
-        raise TypeError(f"{what} must be a list of the engine's sequences, got {type(seqs).__name__}")
+        raise BadArgument(f"{what} must be a list of the engine's sequences, got {type(seqs).__name__}")
     return list(seqs)
 
 
@@ -124,11 +125,11 @@ class Cache:
         that finished this step) is only checked: their blocks are ordered by ``release`` and ``forget``."""
         try:
             _sequences(finished, "finished")
-        except TypeError as e:
+        except BadArgument as e:
             self.cache.report_error("on_prefill_step", e)
         try:
             seqs = _sequences(scheduled, "scheduled")
-        except TypeError as e:
+        except BadArgument as e:
             self.cache.report_error("on_prefill_step", e)
             return
         for seq in seqs:
