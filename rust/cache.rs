@@ -4,11 +4,11 @@
 //! The engine's own work during a call (allocating blocks, its state kernels) comes back through `Hooks`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::chain::{Check, TokenIds};
 use crate::error::{invalid, Error, Result};
 use crate::executor::Executor;
+use crate::index::chain::{Check, TokenIds};
 use crate::index::{Index, Ready};
-use crate::l3plan::wants_fetch;
+use crate::l3::plan::wants_fetch;
 
 /// The index of a cache, shared with the L3 tier's planner.
 pub type SharedIndex = Arc<Mutex<Index>>;
@@ -298,9 +298,9 @@ mod tests {
     use std::sync::Arc as StdArc;
 
     use super::*;
-    use crate::copy::{CopyOptions, GpuPool, PageCopier};
-    use crate::cuda::Layer;
-    use crate::hostmem::{HostPool, PinMethod};
+    use crate::executor::copy::{CopyOptions, GpuPool, PageCopier};
+    use crate::executor::cuda::Layer;
+    use crate::executor::hostmem::{HostPool, PinMethod};
     use crate::index::Config;
 
     const BS: usize = 4;

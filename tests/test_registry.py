@@ -1,4 +1,4 @@
-"""The two registries: statistics (rust/stats.rs, exported to Prometheus) and settings (kvtier.settings)."""
+"""The two registries: statistics (rust/index/stats.rs, exported to Prometheus) and settings (kvtier.settings)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def exported(c: HostPrefixCache) -> dict[str, float]:
 
 def check_stats(c: HostPrefixCache, *, l3: bool) -> None:
     s = c.stats()
-    assert set(s) <= set(TABLE), f"stats() keys missing from rust/stats.rs: {sorted(set(s) - set(TABLE))}"
+    assert set(s) <= set(TABLE), f"stats() keys missing from rust/index/stats.rs: {sorted(set(s) - set(TABLE))}"
     want = {name for name in TABLE if l3 or not name.startswith("l3_")}
     assert want <= set(s), f"statistics of the table that stats() does not report: {sorted(want - set(s))}"
     out = exported(c)

@@ -9,7 +9,7 @@ SGLang keeps its own host pool and radix tree; this is its L3 backend, loaded by
 Every other key of the extra config is a kvtier setting (``docs/SGLANG.md`` lists those it reads); the
 ``KVTIER_*`` environment variables are read for the ones the JSON leaves out.
 
-Objects are kvtier's verified L3 objects (rust/l3.rs): one per SGLang page, a header (format, fingerprint digest,
+Objects are kvtier's verified L3 objects (rust/l3/mod.rs): one per SGLang page, a header (format, fingerprint digest,
 the page's chain key, payload length, digest of all of it) before the page's bytes in the order of the host pool's
 ``get_page_buffer_meta``. The chain key is SGLang's page hash mapped to 128 bits (BLAKE3 key derivation); the Store
 key ``kvtier/v<format>/<fingerprint>/g1/<key>`` carries the fingerprint, which covers the model (SGLang's model
@@ -256,7 +256,7 @@ class KvtierStore(HiCacheStorage):
         self.zero_copy = bool(s.l3_zero_copy)
         # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
         self._pools: dict[str, RegisteredPool] = {}
-        # The object paths (rust/l3path.rs): staged, through two staging buffers of their own, the only memory
+        # The object paths (rust/l3/path.rs): staged, through two staging buffers of their own, the only memory
         # registered; zero-copy straight from and into the registered host pools. Each made and registered when
         # first needed (zero-copy, the staged one only if a deprecated call comes); the lock orders that.
         self._lock = threading.Lock()

@@ -41,7 +41,7 @@ log = logging.getLogger("kvtier.l3")
 
 R = TypeVar("R")
 
-# Every Store return code, read once in the core (rust/l3path.rs's CODES): (code, name, class, store failing).
+# Every Store return code, read once in the core (rust/l3/path.rs's CODES): (code, name, class, store failing).
 ERROR_NAMES: dict[int, str] = {code: name for code, name, _, _ in L3_CODES}
 _CODE = {name: code for code, name in ERROR_NAMES.items()}
 # Return codes of Mooncake Store 0.3.13 (ErrorCode in mooncake-store/include/types.h) that matter here.

@@ -1,7 +1,7 @@
 """The L3 tier of a host prefix cache: page groups and states shared through a Store (Mooncake Store).
 
-The planning and the Store calls are the core's (``kvtier._core.L3Planner``, rust/l3plan.rs, over the one object
-path of every adapter, rust/l3path.rs): which groups and states a put sends and a fetch gets, their keys and
+The planning and the Store calls are the core's (``kvtier._core.L3Planner``, rust/l3/plan.rs, over the one object
+path of every adapter, rust/l3/path.rs): which groups and states a put sends and a fetch gets, their keys and
 pieces, batching, staging, headers, the check of every fetched object and the removal of a wrong one. This module
 runs those jobs on two worker threads and keeps the statistics.
 

@@ -9,13 +9,13 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 
-use super::copy::PyPageCopier;
-use super::index::{PyIndex, PyReady};
-use super::{namespace_bytes, non_negative, to_py, Prompt as PyPromptIds, Window};
-use crate::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
-use crate::chain::{Check, TokenIds};
-use crate::error::{Error, Result};
-use crate::executor::Executor;
+use crate::copy::PyPageCopier;
+use crate::index::{PyIndex, PyReady};
+use crate::{namespace_bytes, non_negative, to_py, Prompt as PyPromptIds, Window};
+use kvtier::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
+use kvtier::error::{Error, Result};
+use kvtier::executor::Executor;
+use kvtier::index::chain::{Check, TokenIds};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
@@ -244,7 +244,7 @@ impl PyCache {
         staging_rows: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let shared = Arc::clone(index.get().shared());
-        let block_size = crate::cache::lock(&shared).config().block_size;
+        let block_size = kvtier::cache::lock(&shared).config().block_size;
         let exec = Executor::new(
             pages.copier(),
             parts.map(PyPageCopier::copier),
@@ -304,7 +304,7 @@ impl PyCache {
     /// A seam for fault tests: `fault()` is called before each copy batch, and a true answer makes the batch fail
     /// as a failed launch does (CopyError). None removes it.
     fn set_copy_fault(&self, fault: Option<Py<PyAny>>) {
-        let hook = fault.map(|f| -> crate::executor::CopyFault {
+        let hook = fault.map(|f| -> kvtier::executor::CopyFault {
             Box::new(move || {
                 Python::attach(|py| f.bind(py).call0().and_then(|r| r.is_truthy()))
                     .map_err(|e| Error::Hook(e.to_string()))

@@ -12,8 +12,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
-use crate::cuda;
 use crate::error::{invalid, Error, Result};
+use crate::executor::cuda;
 
 mod sys {
     use std::ffi::{c_int, c_void};

@@ -6,14 +6,14 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
-use crate::cache::SharedIndex;
-use crate::chain::{Check, HashKind, TokenIds};
-use crate::error::invalid;
-use crate::events::Event;
-use crate::index::{Config, Index, Ready};
-use crate::policy::Policy;
-use crate::pool::PolicyState;
+use crate::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
+use kvtier::cache::SharedIndex;
+use kvtier::error::invalid;
+use kvtier::index::chain::{Check, HashKind, TokenIds};
+use kvtier::index::events::Event;
+use kvtier::index::policy::Policy;
+use kvtier::index::pool::PolicyState;
+use kvtier::index::{Config, Index, Ready};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndexConfig>()?;
@@ -377,7 +377,7 @@ fn version_bytes(v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 
 impl PyIndex {
     pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
-        crate::cache::lock(&self.inner)
+        kvtier::cache::lock(&self.inner)
     }
 
     /// The index itself, for a cache or a planner that shares it.
@@ -394,7 +394,7 @@ impl PyIndex {
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
         check: Check,
-        f: impl FnOnce(&mut Index, &(dyn TokenIds + Sync)) -> crate::error::Result<R> + Send,
+        f: impl FnOnce(&mut Index, &(dyn TokenIds + Sync)) -> kvtier::error::Result<R> + Send,
     ) -> PyResult<R> {
         match Prompt::of(token_ids)? {
             Prompt::Array(a) => a.with(|ids| py.detach(|| f(&mut self.lock(), ids))).map_err(to_py),

@@ -14,9 +14,9 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::cuda::{self, Copy2d, Event, Launch, Layer};
 use crate::error::{invalid, Error, Result};
-use crate::hostmem::HostPool;
+use crate::executor::cuda::{self, Copy2d, Event, Launch, Layer};
+use crate::executor::hostmem::HostPool;
 
 /// CTAs (CUDA thread blocks) of the copy kernel when none are given: the fewest that reach the link's ceiling
 /// (docs/PERFORMANCE.md).
@@ -730,7 +730,7 @@ impl CompletionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hostmem::PinMethod;
+    use crate::executor::hostmem::PinMethod;
 
     fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
         let mut mem: Vec<Vec<u8>> =

@@ -8,8 +8,8 @@ use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::chain::{bad_token, TokenIds, TOKEN_LIMIT};
-use crate::error::{invalid, Error};
+use kvtier::error::{invalid, Error};
+use kvtier::index::chain::{bad_token, TokenIds, TOKEN_LIMIT};
 
 mod cache;
 mod copy;
@@ -198,7 +198,7 @@ impl TokenIds for Window {
     fn len(&self) -> usize {
         self.len
     }
-    fn read(&self, start: usize, out: &mut [i32]) -> crate::error::Result<()> {
+    fn read(&self, start: usize, out: &mut [i32]) -> kvtier::error::Result<()> {
         let end = start + out.len();
         let (from, ids) =
             self.pieces.iter().find(|(from, ids)| *from <= start && end <= from + ids.len()).ok_or_else(|| {
@@ -291,25 +291,25 @@ pub(crate) fn namespace_bytes(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let d = pyo3::types::PyDict::new(py);
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    d.set_item("cuda", crate::cuda::COMPILED)?;
-    d.set_item("cuda_runtime_version", crate::cuda::runtime_version())?;
-    d.set_item("cuda_devices", py.detach(crate::cuda::device_count))?;
-    d.set_item("nvcc", option_env!("KVTIER_NVCC_VERSION"))?;
-    d.set_item("nvcc_source", option_env!("KVTIER_NVCC_SOURCE"))?;
+    d.set_item("cuda", kvtier::executor::cuda::COMPILED)?;
+    d.set_item("cuda_runtime_version", kvtier::executor::cuda::runtime_version())?;
+    d.set_item("cuda_devices", py.detach(kvtier::executor::cuda::device_count))?;
+    d.set_item("nvcc", kvtier::executor::cuda::NVCC_VERSION)?;
+    d.set_item("nvcc_source", kvtier::executor::cuda::NVCC_SOURCE)?;
     Ok(d)
 }
 
-/// The statistics a cache reports: `(name, kind, help)` for each, kind "counter" or "gauge" (rust/stats.rs).
+/// The statistics a cache reports: `(name, kind, help)` for each, kind "counter" or "gauge" (rust/index/stats.rs).
 #[pyfunction]
 fn stat_table() -> Vec<(&'static str, &'static str, &'static str)> {
-    crate::stats::TABLE.iter().map(|s| (s.name, s.kind.name(), s.help)).collect()
+    kvtier::index::stats::TABLE.iter().map(|s| (s.name, s.kind.name(), s.help)).collect()
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("KEY_SCHEME", crate::chain::KEY_SCHEME)?;
+    m.add("KEY_SCHEME", kvtier::index::chain::KEY_SCHEME)?;
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("StaleLookupError", py.get_type::<StaleLookupError>())?;
     m.add("CopyError", py.get_type::<CopyError>())?;

@@ -6,10 +6,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{int32s, non_negative, to_py};
-use crate::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
-use crate::cuda::{self, Event, Layer, Stream};
-use crate::hostmem::{self, HostPool};
+use crate::{int32s, non_negative, to_py};
+use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
+use kvtier::executor::cuda::{self, Event, Layer, Stream};
+use kvtier::executor::hostmem::{self, HostPool};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
@@ -22,7 +22,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
-/// (`step_bytes`) at a time, the way `pin_method` says (rust/hostmem.rs).
+/// (`step_bytes`) at a time, the way `pin_method` says (rust/executor/hostmem.rs).
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,

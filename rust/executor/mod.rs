@@ -7,10 +7,15 @@
 //! being one tensor a layer already) and `states` (a GPU staging buffer, which the engine's own kernels fill and
 //! drain, and the host state pool). Without copy streams, or on a CPU pool, every copy runs on the engine's stream
 //! (a memcpy on the CPU, complete on return) and the ordering calls do nothing.
-use crate::copy::{CompletionQueue, Direction, PageCopier, Used};
-use crate::cuda::{Event, Stream};
+pub mod copy;
+pub mod cuda;
+pub mod hostmem;
+pub mod order;
+
 use crate::error::{invalid, Error, Result};
-use crate::order::{Device, Order};
+use crate::executor::copy::{CompletionQueue, Direction, PageCopier, Used};
+use crate::executor::cuda::{Event, Stream};
+use crate::executor::order::{Device, Order};
 
 /// A CUDA device as `Order` needs it.
 pub struct Cuda(i32);

@@ -1,12 +1,12 @@
 //! `kvtier._core.ObjectFormat`: how single verified L3 objects named by an engine's own page hashes (SGLang's
 //! HiCache pages, vLLM's CPU chunks) are keyed, sealed and checked, by the same format as the L3 tier's groups
-//! (rust/l3.rs). `ObjectPath` (rust/py/l3.rs) moves them.
+//! (rust/l3/mod.rs). `ObjectPath` (bindings/python/src/l3.rs) moves them.
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::namespace_bytes;
-use crate::chain::Key;
-use crate::l3::{group_key_string, ObjectFormat};
+use crate::namespace_bytes;
+use kvtier::index::chain::Key;
+use kvtier::l3::{group_key_string, ObjectFormat};
 
 /// Context of the BLAKE3 key derivation that maps an engine's page hash (its text) to a chain key.
 const PAGE_KEY_CONTEXT: &str = "kvtier 2026-12 engine page hash to chain key v1";
