@@ -41,6 +41,9 @@ pub enum Method {
 }
 
 impl Method {
+    /// Every name `parse` takes.
+    pub const NAMES: [&'static str; 3] = ["auto", "kernel", "dma"];
+
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "auto" => Ok(Self::Auto),
@@ -748,6 +751,14 @@ mod tests {
         // SAFETY: `mem` is returned to the test and outlives the copier's use.
         let copier = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
         (mem, copier)
+    }
+
+    #[test]
+    fn every_copy_method_name_parses_to_itself() {
+        for name in Method::NAMES {
+            assert_eq!(Method::parse(name).unwrap().name(), name);
+        }
+        assert!(Method::parse("fast").is_err());
     }
 
     #[test]

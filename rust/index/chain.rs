@@ -33,6 +33,9 @@ pub enum HashKind {
 }
 
 impl HashKind {
+    /// Every name `parse` takes.
+    pub const NAMES: [&'static str; 2] = ["blake3", "xxh3"];
+
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "blake3" => Ok(Self::Blake3),
@@ -625,6 +628,14 @@ mod tests {
     }
 
     /// Each key is exactly keyed BLAKE3 of the spec: `C(prev, D(block))`, computed here with the blake3 crate.
+    #[test]
+    fn every_hash_kind_name_parses_to_itself() {
+        for name in HashKind::NAMES {
+            assert_eq!(HashKind::parse(name).unwrap().name(), name);
+        }
+        assert!(HashKind::parse("sha256").is_err());
+    }
+
     #[test]
     fn blake3_keys_equal_the_reference_construction() {
         let h = BlockHasher::new(HashKind::Blake3, b"secret");

@@ -5,13 +5,16 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 
 use crate::copy::PyPageCopier;
 use crate::index::{PyIndex, PyReady};
-use crate::{namespace_bytes, non_negative, to_py, Prompt as PyPromptIds, Window};
+use crate::{
+    bad_argument, namespace_bytes, non_negative, raised_by, to_py, KvtierError, NeverType, Prompt as PyPromptIds,
+    Window,
+};
 use kvtier::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
 use kvtier::error::{Error, Result};
 use kvtier::executor::Executor;
@@ -90,8 +93,9 @@ struct PyHooks<'a> {
 impl PyHooks<'_> {
     fn state_call(&self, f: &Option<Py<PyAny>>, row: usize, boundary: usize) -> Result<()> {
         Python::attach(|py| {
-            let f = f.as_ref().ok_or_else(|| PyValueError::new_err("this cache has no state callbacks"))?;
-            let rows = self.cache.staging.as_ref().ok_or_else(|| PyValueError::new_err("no staging rows"))?;
+            let f = f.as_ref().ok_or_else(|| KvtierError::new_err("this cache has no state callbacks"))?;
+            let rows =
+                self.cache.staging.as_ref().ok_or_else(|| KvtierError::new_err("this cache has no staging rows"))?;
             let row = rows.bind(py).get_item(row)?;
             let state = self.state.as_ref().map(|s| s.clone_ref(py)).unwrap_or_else(|| py.None());
             f.bind(py).call1((state, boundary, row)).map(drop)
@@ -104,15 +108,15 @@ impl Hooks for PyHooks<'_> {
     fn allocate(&mut self) -> Result<Allocation> {
         let allocate = self.allocate.as_ref().expect("resume passes allocate");
         Python::attach(|py| -> PyResult<Allocation> {
-            let table = match allocate.bind(py).call0() {
-                Err(e) if e.is_instance_of::<PyRuntimeError>(py) => return Ok(Allocation::Never),
-                other => other?,
-            };
+            let table = allocate.bind(py).call0().map_err(|e| raised_by(py, "allocate()", e))?;
             if table.is_none() {
                 return Ok(Allocation::NotNow);
             }
+            if table.is_instance_of::<NeverType>() {
+                return Ok(Allocation::Never);
+            }
             if table.is_instance_of::<PyBool>() {
-                return Err(PyTypeError::new_err("allocate() must return the block table or None, got a bool"));
+                return Err(bad_argument("allocate() must return the block table or None, got a bool"));
             }
             block_ids(&table, "allocate()'s block table", self.cache.num_blocks).map(Allocation::Blocks)
         })
@@ -132,28 +136,34 @@ impl Hooks for PyHooks<'_> {
 pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> PyResult<Vec<i32>> {
     let py = obj.py();
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        let mut out = Vec::with_capacity(obj.len()?);
-        for (i, item) in obj.try_iter()?.enumerate() {
-            let item = item?;
+        // A subclass's own __len__ and __iter__ run here: what they raise is the caller's.
+        let raised = |e| raised_by(py, what, e);
+        let mut out = Vec::with_capacity(obj.len().map_err(raised)?);
+        for (i, item) in obj.try_iter().map_err(raised)?.enumerate() {
+            let item = item.map_err(raised)?;
             let v: i64 = if item.is_instance_of::<PyBool>() { None } else { item.extract().ok() }.ok_or_else(|| {
                 let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                PyTypeError::new_err(format!("{what}[{i}] must be an int, got {ty} {item:?}"))
+                bad_argument(format!("{what}[{i}] must be an int, got {ty} {item:?}"))
             })?;
             out.push(block_id(v, what, num_blocks)?);
         }
         return Ok(out);
     }
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!("{what} must be a sequence of ints or an integer array, got str")));
+        return Err(bad_argument(format!("{what} must be a sequence of ints or an integer array, got str")));
     }
     let ty = obj.get_type().name()?.to_string();
-    let not_ids = |why: String| {
-        PyTypeError::new_err(format!("{what} must be a sequence of ints or an integer array, got {ty}{why}"))
-    };
+    let not_ids =
+        |why: String| bad_argument(format!("{what} must be a sequence of ints or an integer array, got {ty}{why}"));
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(a) => a.clone(),
         Err(_) => {
-            let view = py.import("numpy")?.getattr("asarray")?.call1((obj,)).map_err(|e| not_ids(format!(" ({e})")))?;
+            // numpy reads the object through its own __len__, __iter__ or __array__: what they raise is the cause.
+            let view = py.import("numpy")?.getattr("asarray")?.call1((obj,)).map_err(|e| {
+                let out = not_ids(format!(" ({e})"));
+                out.set_cause(py, Some(e));
+                out
+            })?;
             let view = view.cast_into::<PyUntypedArray>().map_err(|e| not_ids(format!(" ({e})")))?;
             if !matches!(view.dtype().kind(), b'i' | b'u') {
                 return Err(not_ids(format!(" (of dtype {})", view.dtype())));
@@ -162,10 +172,10 @@ pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> 
         }
     };
     if !matches!(arr.dtype().kind(), b'i' | b'u') {
-        return Err(PyTypeError::new_err(format!("{what} must hold integers, got dtype {}", arr.dtype())));
+        return Err(bad_argument(format!("{what} must hold integers, got dtype {}", arr.dtype())));
     }
     if arr.ndim() != 1 {
-        return Err(PyValueError::new_err(format!("{what} must be 1-D, got shape {:?}", arr.shape())));
+        return Err(bad_argument(format!("{what} must be 1-D, got shape {:?}", arr.shape())));
     }
     let wide = arr.call_method1("astype", ("int64",))?;
     let wide = wide.cast::<PyArray1<i64>>()?.try_readonly()?;
@@ -173,9 +183,10 @@ pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> 
 }
 
 fn block_id(v: i64, what: &str, num_blocks: u32) -> PyResult<i32> {
-    i32::try_from(v).ok().filter(|&b| b >= 0).ok_or_else(|| {
-        PyValueError::new_err(format!("{what}: block id {v} is outside the GPU pool of {num_blocks} blocks"))
-    })
+    i32::try_from(v)
+        .ok()
+        .filter(|&b| b >= 0)
+        .ok_or_else(|| bad_argument(format!("{what}: block id {v} is outside the GPU pool of {num_blocks} blocks")))
 }
 
 /// The engine calls of one cache: its index (shared with an L3 tier) and its executor (the host pools' copiers,
@@ -257,7 +268,7 @@ impl PyCache {
         if inner.executor().states().is_some()
             && (select_state.is_none() || load_state.is_none() || staging_rows.is_none())
         {
-            return Err(PyValueError::new_err("a cache with states needs select_state, load_state and staging_rows"));
+            return Err(bad_argument("a cache with states needs select_state, load_state and staging_rows"));
         }
         let num_blocks = inner.executor().pages().pool().num_blocks;
         Ok(Self { inner, index, block_size, num_blocks, select_state, load_state, staging: staging_rows })
@@ -333,7 +344,7 @@ impl PyCache {
         fetch_group_pages: Option<i64>,
     ) -> PyResult<i64> {
         if !allocate.bind(py).is_callable() {
-            return Err(PyTypeError::new_err(format!(
+            return Err(bad_argument(format!(
                 "allocate must be callable, got {}",
                 allocate.bind(py).get_type().name()?
             )));
@@ -432,13 +443,13 @@ fn count(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     let n = if v.is_instance_of::<PyBool>() { None } else { v.extract::<i64>().ok() };
     match n {
         Some(n) if n >= 0 => non_negative(what, n),
-        Some(_) => Err(PyValueError::new_err(format!("{what} must be in [0, 2**63), got {v:?}"))),
+        Some(_) => Err(bad_argument(format!("{what} must be in [0, 2**63), got {v:?}"))),
         None if v.is_instance_of::<pyo3::types::PyInt>() && !v.is_instance_of::<PyBool>() => {
-            Err(PyValueError::new_err(format!("{what} must be in [0, 2**63), got {v:?}")))
+            Err(bad_argument(format!("{what} must be in [0, 2**63), got {v:?}")))
         }
         None => {
             let ty = v.get_type().name()?.to_string();
-            Err(PyTypeError::new_err(format!("{what} must be an int, got {ty} {v:?}")))
+            Err(bad_argument(format!("{what} must be an int, got {ty} {v:?}")))
         }
     }
 }
@@ -446,5 +457,5 @@ fn count(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// An engine's layer index: an int, not a bool.
 fn layer_index(layer: &Bound<'_, PyAny>) -> PyResult<i64> {
     let l = if layer.is_instance_of::<PyBool>() { None } else { layer.extract::<i64>().ok() };
-    l.ok_or_else(|| PyValueError::new_err(format!("layer must be an int, got {layer:?}")))
+    l.ok_or_else(|| bad_argument(format!("layer must be an int, got {layer:?}")))
 }

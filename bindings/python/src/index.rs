@@ -2,11 +2,11 @@
 use std::sync::MutexGuard;
 
 use numpy::PyArray1;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
+use crate::{bad_argument, int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
 use kvtier::cache::SharedIndex;
 use kvtier::error::invalid;
 use kvtier::index::chain::{Check, HashKind, TokenIds};
@@ -26,6 +26,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKeyAnswers>()?;
     m.add_class::<PyPolicyState>()?;
     m.add("EVICTION_POLICIES", Policy::NAMES.to_vec())?;
+    m.add("HASH_KINDS", HashKind::NAMES.to_vec())?;
     Ok(())
 }
 
@@ -151,7 +152,7 @@ impl PackedKeys {
 /// A sequence of bytes objects, copied (the GIL is released while the index works on them).
 fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     if keys.is_instance_of::<PyBytes>() || keys.is_instance_of::<pyo3::types::PyString>() {
-        return Err(PyTypeError::new_err(format!(
+        return Err(bad_argument(format!(
             "keys must be a sequence of bytes objects, got one {}",
             keys.get_type().name()?
         )));
@@ -161,7 +162,7 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     let mut add = |i: usize, k: &Bound<'_, PyAny>| -> PyResult<()> {
         let b = k.cast::<PyBytes>().map_err(|_| {
             let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
+            bad_argument(format!("keys[{i}] must be bytes, got {t}"))
         })?;
         out.bytes.extend_from_slice(b.as_bytes());
         out.ends.push(out.bytes.len());
@@ -244,7 +245,7 @@ impl From<PolicyState> for PyPolicyState {
 fn slot_count(name: &str, v: i64) -> PyResult<u32> {
     let n: u32 = non_negative(name, v)?;
     if n > i32::MAX as u32 {
-        return Err(PyValueError::new_err(format!("{name} must be < 2**31, got {v}")));
+        return Err(bad_argument(format!("{name} must be < 2**31, got {v}")));
     }
     Ok(n)
 }
@@ -364,13 +365,10 @@ fn version_bytes(v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     } else if let Ok(b) = v.cast::<pyo3::types::PyBytes>() {
         b.as_bytes().to_vec()
     } else {
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "model version must be str or bytes, got {}",
-            v.get_type().name()?
-        )));
+        return Err(bad_argument(format!("model version must be str or bytes, got {}", v.get_type().name()?)));
     };
     if b.is_empty() {
-        return Err(PyValueError::new_err("model version must not be empty"));
+        return Err(bad_argument("model version must not be empty"));
     }
     Ok(b)
 }

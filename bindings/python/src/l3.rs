@@ -2,13 +2,12 @@
 //! rust/l3/path.rs) and the Python Store client as the core's `Store`.
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
-use crate::{namespace_bytes, non_negative, to_py};
+use crate::{bad_argument, namespace_bytes, non_negative, to_py};
 use kvtier::l3;
 use kvtier::l3::path::{self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
 use kvtier::l3::plan::{Fetched, HostLayout, Planner, Tier};
@@ -57,7 +56,7 @@ fn part_digests<'py>(
     py: Python<'py>,
     data: numpy::PyReadonlyArray1<'py, u8>,
 ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-    let bytes = data.as_slice().map_err(|_| PyTypeError::new_err("part_digests needs a contiguous uint8 array"))?;
+    let bytes = data.as_slice().map_err(|_| bad_argument("part_digests needs a contiguous uint8 array"))?;
     let parts = py.detach(|| l3::part_digests(bytes));
     Ok(pyo3::types::PyBytes::new(py, &parts.concat()))
 }
@@ -197,7 +196,7 @@ type Pieces = Vec<Vec<(usize, usize)>>;
 
 fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
     if hashes.len() != pieces.len() {
-        return Err(PyValueError::new_err(format!(
+        return Err(bad_argument(format!(
             "need the pieces of {} pages, got {} piece lists",
             hashes.len(),
             pieces.len()
@@ -344,7 +343,7 @@ impl PyL3Planner {
         let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
         let largest = l3::HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
         if let Some(bytes) = staging.filter(|&b| b < largest) {
-            return Err(PyValueError::new_err(format!(
+            return Err(bad_argument(format!(
                 "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of {} bytes \
                  and a header), got {bytes}",
                 host.page_bytes

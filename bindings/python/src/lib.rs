@@ -1,12 +1,15 @@
 //! The Python module `kvtier._core`. Errors become exceptions in one place (`to_py`); every argument is checked
-//! here, at the boundary, and the message names the value that was wrong.
+//! here, at the boundary, and the message names the value that was wrong. A caller's mistake is
+//! `kvtier.BadArgument` (`bad_argument`), and so is an exception the caller's own object raised while it was read
+//! (`raised_by`); kvtier's own failures are `kvtier.KvtierError` and its subclasses.
 use std::ops::Range;
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 use kvtier::error::{invalid, Error};
 use kvtier::index::chain::{bad_token, TokenIds, TOKEN_LIMIT};
@@ -17,7 +20,7 @@ mod index;
 mod l3;
 mod objects;
 
-create_exception!(kvtier, KvtierError, PyException, "Base class of kvtier's own errors.");
+create_exception!(kvtier, KvtierError, PyRuntimeError, "Base class of kvtier's own errors (never the caller's).");
 create_exception!(
     kvtier,
     StaleLookupError,
@@ -25,32 +28,73 @@ create_exception!(
     "A lookup's pages or state left the host pool before the load began."
 );
 create_exception!(kvtier, CopyError, KvtierError, "A page copy could not be launched or failed.");
-create_exception!(
-    kvtier,
-    PromptMismatchError,
-    PyValueError,
-    "A request id was used for a prompt that does not extend the tokens already hashed for it (a request's tokens \
-     only grow until forget())."
-);
+/// `kvtier.BadArgument`, the one exception of a caller's mistakes: a `ValueError` and a `TypeError`, so that callers
+/// catching either keep catching it. PyO3 declares exceptions of one base, so it is made at module init.
+static BAD_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// `kvtier.PromptMismatchError`, a `BadArgument`.
+static PROMPT_MISMATCH: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// An exception class of module `kvtier` with these bases.
+fn exception_type(py: Python<'_>, name: &str, bases: &[Bound<'_, PyType>], doc: &str) -> PyResult<Py<PyType>> {
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "kvtier")?;
+    namespace.set_item("__doc__", doc)?;
+    let made = py.import("builtins")?.getattr("type")?.call1((name, PyTuple::new(py, bases)?, namespace))?;
+    Ok(made.cast_into::<PyType>()?.unbind())
+}
+
+fn made_type<'py>(py: Python<'py>, cell: &PyOnceLock<Py<PyType>>) -> Bound<'py, PyType> {
+    cell.get(py).expect("made at module init").bind(py).clone()
+}
+
+/// A caller's mistake (`msg` names the value that was wrong): `kvtier.BadArgument`.
+pub(crate) fn bad_argument(msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::attach(|py| PyErr::from_type(made_type(py, &BAD_ARGUMENT), msg))
+}
+
+/// `e`, raised by the caller's own object `what` while kvtier read or called it (its `allocate()`, a block table
+/// whose `__len__` or `__iter__` raised): the caller's, a `BadArgument` whose cause is `e`.
+pub(crate) fn raised_by(py: Python<'_>, what: &str, e: PyErr) -> PyErr {
+    if e.is_instance(py, &made_type(py, &BAD_ARGUMENT)) {
+        return e;
+    }
+    let kind = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+    let out = bad_argument(format!("{what} raised {kind}: {}", e.value(py)));
+    out.set_cause(py, Some(e));
+    out
+}
+
+/// The type of `kvtier.NEVER`, what `allocate()` returns for "never": the sequence can never be allocated (a
+/// miss). Its one value is made at module init.
+#[pyclass(name = "NeverType", module = "kvtier", frozen)]
+pub(crate) struct NeverType;
+
+#[pymethods]
+impl NeverType {
+    fn __repr__(&self) -> &'static str {
+        "kvtier.NEVER"
+    }
+}
 
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        Error::InvalidArgument(_) => PyValueError::new_err(msg),
-        Error::PromptMismatch { .. } => PromptMismatchError::new_err(msg),
+        Error::InvalidArgument(_) => bad_argument(msg),
+        Error::PromptMismatch { .. } => Python::attach(|py| PyErr::from_type(made_type(py, &PROMPT_MISMATCH), msg)),
         Error::UnknownRequest(_) | Error::UnknownTicket(_) => PyKeyError::new_err(msg),
         Error::Stale(_) => StaleLookupError::new_err(msg),
         Error::Copy(_) => CopyError::new_err(msg),
-        Error::Invariant(_) | Error::Hook(_) => KvtierError::new_err(msg),
+        Error::State(_) | Error::Invariant(_) | Error::Hook(_) => KvtierError::new_err(msg),
     }
 }
 
 /// An int argument that must be >= 0 (and fit the target type).
 pub(crate) fn non_negative<T: TryFrom<i64>>(name: &str, value: i64) -> PyResult<T> {
     if value < 0 {
-        return Err(PyValueError::new_err(format!("{name} must be >= 0, got {value}")));
+        return Err(bad_argument(format!("{name} must be >= 0, got {value}")));
     }
-    T::try_from(value).map_err(|_| PyValueError::new_err(format!("{name} is too large, got {value}")))
+    T::try_from(value).map_err(|_| bad_argument(format!("{name} is too large, got {value}")))
 }
 
 /// A 1-D run of int32 ids: a contiguous numpy int32 array is read in place; a sequence of ints is copied.
@@ -70,39 +114,35 @@ impl Int32s<'_> {
 
 pub(crate) fn int32s<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Int32s<'py>> {
     if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
-        let ro = arr.try_readonly().map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        let ro = arr.try_readonly().map_err(|e| bad_argument(format!("{what}: {e}")))?;
         if ro.as_slice().is_err() {
-            return Err(PyValueError::new_err(format!(
-                "{what} must be a contiguous array, got strides {:?}",
-                arr.strides()
-            )));
+            return Err(bad_argument(format!("{what} must be a contiguous array, got strides {:?}", arr.strides())));
         }
         return Ok(Int32s::Array(ro));
     }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        return Err(PyTypeError::new_err(format!(
+        return Err(bad_argument(format!(
             "{what} must be a 1-D numpy int32 array, got dtype {} with {} dimension(s)",
             arr.dtype(),
             arr.ndim()
         )));
     }
     if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(PyTypeError::new_err(format!("{what} must be int32 ids, got {}", obj.get_type().name()?)));
+        return Err(bad_argument(format!("{what} must be int32 ids, got {}", obj.get_type().name()?)));
     }
     let not_ids = || {
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        PyTypeError::new_err(format!("{what} must be a numpy int32 array or a sequence of ints, got {ty}"))
+        bad_argument(format!("{what} must be a numpy int32 array or a sequence of ints, got {ty}"))
     };
     let mut out = Vec::new();
     let seq = obj.cast::<pyo3::types::PySequence>().map_err(|_| not_ids())?;
-    for (i, item) in seq.try_iter()?.enumerate() {
-        let item = item?;
+    let raised = |e| raised_by(obj.py(), what, e);
+    for (i, item) in seq.try_iter().map_err(raised)?.enumerate() {
+        let item = item.map_err(raised)?;
         // A bool is an int to Python, but never an id.
         let v: i64 = if item.is_instance_of::<pyo3::types::PyBool>() { None } else { item.extract().ok() }
-            .ok_or_else(|| PyTypeError::new_err(format!("{what}[{i}] must be an int, got {item:?}")))?;
-        out.push(
-            i32::try_from(v).map_err(|_| PyValueError::new_err(format!("{what}[{i}] = {v} does not fit in int32")))?,
-        );
+            .ok_or_else(|| bad_argument(format!("{what}[{i}] must be an int, got {item:?}")))?;
+        out.push(i32::try_from(v).map_err(|_| bad_argument(format!("{what}[{i}] = {v} does not fit in int32")))?);
     }
     Ok(Int32s::Owned(out))
 }
@@ -131,7 +171,7 @@ macro_rules! array_ids {
             }
 
             fn of(arr: &Bound<'py, PyUntypedArray>) -> PyResult<Option<Self>> {
-                let busy = |e| PyValueError::new_err(format!("token_ids: {e}"));
+                let busy = |e| bad_argument(format!("token_ids: {e}"));
                 $(if let Ok(a) = arr.cast::<PyArray1<$t>>() {
                     return Ok(Some(Self::$variant(a.try_readonly().map_err(busy)?)));
                 })*
@@ -150,11 +190,11 @@ impl<'py> Prompt<'py> {
             return Ok(Self::Items(obj.clone()));
         }
         if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-            return Err(PyTypeError::new_err(format!("token_ids must be ints, got {}", obj.get_type().name()?)));
+            return Err(bad_argument(format!("token_ids must be ints, got {}", obj.get_type().name()?)));
         }
         let not_ids = |why: String| {
             let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            PyTypeError::new_err(format!("token_ids must be a list, tuple, integer array or CPU tensor, got {ty}{why}"))
+            bad_argument(format!("token_ids must be a list, tuple, integer array or CPU tensor, got {ty}{why}"))
         };
         let arr = match obj.cast::<PyUntypedArray>() {
             Ok(a) => a.clone(),
@@ -170,20 +210,17 @@ impl<'py> Prompt<'py> {
         };
         let dtype = arr.dtype();
         if !matches!(dtype.kind(), b'i' | b'u') {
-            return Err(PyTypeError::new_err(format!("token_ids must be integers, got dtype {dtype}")));
+            return Err(bad_argument(format!("token_ids must be integers, got dtype {dtype}")));
         }
         if arr.ndim() != 1 {
-            return Err(PyValueError::new_err(format!("token_ids must be 1-D, got shape {:?}", arr.shape())));
+            return Err(bad_argument(format!("token_ids must be 1-D, got shape {:?}", arr.shape())));
         }
         if !arr.is_contiguous() {
-            return Err(PyValueError::new_err(format!(
-                "token_ids must be contiguous, got strides {:?}",
-                arr.strides()
-            )));
+            return Err(bad_argument(format!("token_ids must be contiguous, got strides {:?}", arr.strides())));
         }
         match ArrayIds::of(&arr)? {
             Some(ids) => Ok(Self::Array(ids)),
-            None => Err(PyTypeError::new_err(format!("token_ids dtype {dtype} is not a native-order integer type"))),
+            None => Err(bad_argument(format!("token_ids dtype {dtype} is not a native-order integer type"))),
         }
     }
 }
@@ -212,7 +249,7 @@ impl TokenIds for Window {
 impl Window {
     /// Reads `ranges` of a list or tuple of ints, range-checking each id (the error names the value and where).
     pub(crate) fn read(seq: &Bound<'_, PyAny>, ranges: &[Range<usize>]) -> PyResult<Self> {
-        let len = seq.len()?;
+        let len = seq.len().map_err(|e| raised_by(seq.py(), "token_ids", e))?;
         let is_list = seq.is_instance_of::<PyList>();
         let mut pieces = Vec::with_capacity(ranges.len());
         for r in ranges.iter().filter(|r| r.start < r.end) {
@@ -245,24 +282,24 @@ fn item(seq: &Bound<'_, PyAny>, is_list: bool, i: usize) -> PyResult<i32> {
         if pyo3::ffi::PyLong_CheckExact(p) != 0 {
             let v = pyo3::ffi::PyLong_AsLongLong(p);
             if v == -1 && PyErr::take(py).is_some() {
-                return Err(PyValueError::new_err(bad_token(i, "an int beyond 64 bits").to_string()));
+                return Err(bad_argument(bad_token(i, "an int beyond 64 bits").to_string()));
             }
             if !(0..TOKEN_LIMIT).contains(&v) {
-                return Err(PyValueError::new_err(bad_token(i, v).to_string()));
+                return Err(bad_argument(bad_token(i, v).to_string()));
             }
             return Ok(v as i32);
         }
     }
-    let obj = seq.get_item(i)?;
+    let obj = seq.get_item(i).map_err(|e| raised_by(py, "token_ids", e))?;
     if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(PyTypeError::new_err(format!("token_ids[{i}] must be an int, got bool {obj:?}")));
+        return Err(bad_argument(format!("token_ids[{i}] must be an int, got bool {obj:?}")));
     }
     let v: i64 = obj.extract().map_err(|_| {
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        PyTypeError::new_err(format!("token_ids[{i}] must be an int, got {ty}"))
+        bad_argument(format!("token_ids[{i}] must be an int, got {ty}"))
     })?;
     if !(0..TOKEN_LIMIT).contains(&v) {
-        return Err(PyValueError::new_err(bad_token(i, v).to_string()));
+        return Err(bad_argument(bad_token(i, v).to_string()));
     }
     Ok(v as i32)
 }
@@ -278,7 +315,7 @@ pub(crate) fn namespace_bytes(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8
             } else if let Ok(b) = o.extract::<Vec<u8>>() {
                 Ok(b)
             } else {
-                Err(PyTypeError::new_err(format!("namespace must be str, bytes or None, got {}", o.get_type().name()?)))
+                Err(bad_argument(format!("namespace must be str, bytes or None, got {}", o.get_type().name()?)))
             }
         }
     }
@@ -313,7 +350,21 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("StaleLookupError", py.get_type::<StaleLookupError>())?;
     m.add("CopyError", py.get_type::<CopyError>())?;
-    m.add("PromptMismatchError", py.get_type::<PromptMismatchError>())?;
+    let bad = BAD_ARGUMENT.get_or_try_init(py, || {
+        let bases = [py.get_type::<PyValueError>(), py.get_type::<PyTypeError>()];
+        let doc = "A caller's mistake: a bad argument, or an exception the caller's own object raised while kvtier \
+                   read it (then its __cause__).";
+        exception_type(py, "BadArgument", &bases, doc)
+    })?;
+    m.add("BadArgument", bad.bind(py))?;
+    let mismatch = PROMPT_MISMATCH.get_or_try_init(py, || {
+        let doc = "A request id was used for a prompt that does not extend the tokens already hashed for it (a \
+                   request's tokens only grow until forget()).";
+        exception_type(py, "PromptMismatchError", &[bad.bind(py).clone()], doc)
+    })?;
+    m.add("PromptMismatchError", mismatch.bind(py))?;
+    m.add_class::<NeverType>()?;
+    m.add("NEVER", Py::new(py, NeverType)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(stat_table, m)?)?;
     index::register(m)?;

@@ -1,10 +1,10 @@
 //! `kvtier._core.ObjectFormat`: how single verified L3 objects named by an engine's own page hashes (SGLang's
 //! HiCache pages, vLLM's CPU chunks) are keyed, sealed and checked, by the same format as the L3 tier's groups
 //! (rust/l3/mod.rs). `ObjectPath` (bindings/python/src/l3.rs) moves them.
-use pyo3::exceptions::PyValueError;
+
 use pyo3::prelude::*;
 
-use crate::namespace_bytes;
+use crate::{bad_argument, namespace_bytes};
 use kvtier::index::chain::Key;
 use kvtier::l3::{group_key_string, ObjectFormat};
 
@@ -38,9 +38,7 @@ impl PyObjectFormat {
     #[pyo3(signature = (fingerprint, *, hash_key=None))]
     fn new(fingerprint: &str, hash_key: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         if fingerprint.is_empty() || fingerprint.contains('/') {
-            return Err(PyValueError::new_err(format!(
-                "fingerprint must be non-empty and without '/', got {fingerprint:?}"
-            )));
+            return Err(bad_argument(format!("fingerprint must be non-empty and without '/', got {fingerprint:?}")));
         }
         let format = ObjectFormat::new(fingerprint, &namespace_bytes(hash_key)?);
         Ok(Self { fingerprint: fingerprint.to_owned(), format })
@@ -70,7 +68,7 @@ impl PyObjectFormat {
     /// The chain key of each page hash, refusing an empty one.
     pub(super) fn chain_keys(&self, page_hashes: &[String]) -> PyResult<Vec<Key>> {
         if let Some(i) = page_hashes.iter().position(String::is_empty) {
-            return Err(PyValueError::new_err(format!("page_hashes[{i}] is empty")));
+            return Err(bad_argument(format!("page_hashes[{i}] is empty")));
         }
         Ok(page_hashes.iter().map(|h| page_key(h)).collect())
     }
