@@ -33,6 +33,7 @@ import torch
 
 from kvtier import BadArgument, Index, KvEvent
 from kvtier._core import Cache as CoreCache
+from kvtier._core import NeverType
 from kvtier.copy import HostPool, PageCopier
 from kvtier.failures import Calls, Failures, guarded
 from kvtier.geometry import Geometry
@@ -256,7 +257,7 @@ class HostPrefixCache:
         request_id: str,
         prompt_ids: Any,
         *,
-        allocate: Callable[[], BlockTable | None],
+        allocate: Callable[[], BlockTable | NeverType | None],
         state: Any = None,
         namespace: str | bytes | None = None,
     ) -> int:

@@ -572,12 +572,15 @@ impl PageCopier {
                 return Err(invalid(format!("gpu_ids[{i}] = {id} is outside the GPU pool of {blocks} blocks")));
             }
         }
-        let usable = self.host.usable_slots();
+        let (usable, slots) = (self.host.usable_slots(), self.host.slots());
         for (i, &s) in host_slots.iter().enumerate() {
-            if s < 0 || s as u32 >= usable {
-                return Err(invalid(format!(
-                    "host_slots[{i}] = {s} is not below usable_slots = {usable} (of {} slots)",
-                    self.host.slots()
+            if s < 0 || s as u32 >= slots {
+                return Err(invalid(format!("host_slots[{i}] = {s} is outside the host pool of {slots} slots")));
+            }
+            // A slot of the pool not pinned yet: the pool's state, not the caller's mistake.
+            if s as u32 >= usable {
+                return Err(Error::State(format!(
+                    "host_slots[{i}] = {s} is not below usable_slots = {usable} (of {slots} slots)"
                 )));
             }
         }

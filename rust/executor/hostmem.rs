@@ -285,6 +285,9 @@ impl HostPool {
     }
 
     fn slot_offset(&self, slot: u32) -> Result<u64> {
+        if slot >= self.slots {
+            return Err(invalid(format!("slot {slot} is outside the host pool of {} slots", self.slots)));
+        }
         let usable = self.usable_slots();
         if slot >= usable {
             return Err(Error::State(format!(
@@ -389,6 +392,7 @@ mod tests {
     fn a_closed_pool_and_an_unusable_slot_are_states_not_bad_arguments() {
         let pool = HostPool::new(4, 16, 16, Some(false), PinMethod::Auto).unwrap();
         assert!(matches!(pool.read(0), Err(Error::State(_))));
+        assert!(matches!(pool.read(4), Err(Error::InvalidArgument(_))), "beyond the pool: the caller's");
         pool.grow_step().unwrap();
         pool.read(0).unwrap();
         pool.close().unwrap();

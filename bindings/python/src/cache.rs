@@ -12,8 +12,8 @@ use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 use crate::copy::PyPageCopier;
 use crate::index::{PyIndex, PyReady};
 use crate::{
-    bad_argument, namespace_bytes, non_negative, raised_by, to_py, KvtierError, NeverType, Prompt as PyPromptIds,
-    Window,
+    bad_argument, namespace_bytes, non_negative, prompt_len, raised_by, to_py, KvtierError, NeverType,
+    Prompt as PyPromptIds, Window,
 };
 use kvtier::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
 use kvtier::error::{Error, Result};
@@ -60,7 +60,7 @@ impl Prompt for Ids<'_> {
                 if !matches!(window, Some((Check::Full, _))) && window.as_ref().is_none_or(|w| w.0 != check) {
                     let read = Python::attach(|py| {
                         let seq = seq.bind(py);
-                        let n = seq.len()?;
+                        let n = prompt_len(seq)?;
                         let bs = *block_size;
                         let ranges = if check == Check::Full || hashed == 0 || hashed > n {
                             [0..n, 0..0, 0..0]

@@ -6,7 +6,9 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::{bad_argument, int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
+use crate::{
+    bad_argument, int32s, namespace_bytes, non_negative, prompt_len, raised_by, slots_array, to_py, Prompt, Window,
+};
 use kvtier::cache::SharedIndex;
 use kvtier::error::invalid;
 use kvtier::index::chain::{Check, HashKind, TokenIds};
@@ -174,8 +176,9 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
             add(i, &k)?;
         }
     } else {
-        for (i, k) in keys.try_iter()?.enumerate() {
-            add(i, &k?)?;
+        let raised = |e| raised_by(keys.py(), "keys", e);
+        for (i, k) in keys.try_iter().map_err(raised)?.enumerate() {
+            add(i, &k.map_err(raised)?)?;
         }
     }
     Ok(out)
@@ -401,7 +404,7 @@ impl PyIndex {
                     let ix = self.lock();
                     (ix.hashed_tokens(request_id), ix.config().block_size)
                 };
-                let n = seq.len()?;
+                let n = prompt_len(&seq)?;
                 let ranges = if check == Check::Full || hashed == 0 || hashed > n {
                     [0..n, 0..0, 0..0]
                 } else {
@@ -540,7 +543,7 @@ impl PyIndex {
         let l = match Prompt::of(token_ids)? {
             Prompt::Array(a) => a.with(|ids| py.detach(|| self.lock().peek(&ns, ids))),
             Prompt::Items(seq) => {
-                let w = Window::read(&seq, &[0..seq.len()?, 0..0, 0..0])?;
+                let w = Window::read(&seq, &[0..prompt_len(&seq)?, 0..0, 0..0])?;
                 py.detach(|| self.lock().peek(&ns, &w))
             }
         }

@@ -249,7 +249,7 @@ impl TokenIds for Window {
 impl Window {
     /// Reads `ranges` of a list or tuple of ints, range-checking each id (the error names the value and where).
     pub(crate) fn read(seq: &Bound<'_, PyAny>, ranges: &[Range<usize>]) -> PyResult<Self> {
-        let len = seq.len().map_err(|e| raised_by(seq.py(), "token_ids", e))?;
+        let len = prompt_len(seq)?;
         let is_list = seq.is_instance_of::<PyList>();
         let mut pieces = Vec::with_capacity(ranges.len());
         for r in ranges.iter().filter(|r| r.start < r.end) {
@@ -261,6 +261,11 @@ impl Window {
         }
         Ok(Self { len, pieces })
     }
+}
+
+/// The length of a prompt held as a list or tuple (a subclass's own `__len__` raising is the caller's).
+pub(crate) fn prompt_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
+    seq.len().map_err(|e| raised_by(seq.py(), "token_ids", e))
 }
 
 /// Item `i` of a list or tuple as a token id.
