@@ -111,7 +111,7 @@ class Setting:
                 raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
             if self.choices and value not in self.choices:
                 raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
-            if self.kind == ADDRESS and not is_address(value):
+            if self.kind == ADDRESS and not (isinstance(value, str) and is_address(value)):
                 raise ValueError(f"must be 'host:port' (a port from 1 to 65535), got {value!r}")
             return value
         if self.kind == BOOL:
