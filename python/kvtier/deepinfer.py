@@ -23,9 +23,11 @@ deployment vouches for) or a digest of every byte of every tensor of ``engine.mo
 ``cp_rank`` / ``cp_size`` and ``engine.kv_replicated`` (MLA) where the engine has them, unless the caller passes
 ``shard``. Weights updated in place: ``set_model_version(v)``.
 
-Every call catches its own exceptions (bad arguments included) and never raises into the engine: a bad argument
-is logged and counted in ``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after
-``max_errors`` of them the cache disables itself. The request continues uncached either way.
+Every call catches its own exceptions (bad arguments included) and never raises into the engine: the engine's
+mistakes (a ``kvtier.BadArgument``: a bad argument, or what its own objects raised while the adapter read them,
+``scheduler.try_allocate_seq`` included, such as a CUDA out-of-memory) are logged with their cause and counted in
+``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after ``max_errors`` of them the cache
+disables itself. The request continues uncached either way.
 """
 
 from __future__ import annotations
