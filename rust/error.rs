@@ -37,6 +37,6 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Shorthand for an `InvalidArgument` error.
-pub fn invalid(msg: impl Into<String>) -> Error {
+pub(crate) fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())
 }

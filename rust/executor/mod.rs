@@ -17,6 +17,19 @@ use crate::executor::copy::{CompletionQueue, Direction, PageCopier, Used};
 use crate::executor::cuda::{Event, Stream};
 use crate::executor::order::{Device, Order};
 
+/// A block table as the engine holds it (any integers), as the int32 GPU block ids the copies take. An id that is
+/// negative or beyond int32 is refused here; `Executor::check_blocks` checks the ids a call uses against the pool
+/// of `num_blocks` blocks, with the same message.
+pub fn block_table(ids: impl IntoIterator<Item = i64>, what: &str, num_blocks: u32) -> Result<Vec<i32>> {
+    ids.into_iter()
+        .map(|v| i32::try_from(v).ok().filter(|&b| b >= 0).ok_or_else(|| outside_pool(what, v, num_blocks)))
+        .collect()
+}
+
+fn outside_pool(what: &str, id: i64, num_blocks: u32) -> Error {
+    invalid(format!("{what}: block id {id} is outside the GPU pool of {num_blocks} blocks"))
+}
+
 /// A CUDA device as `Order` needs it.
 pub struct Cuda(i32);
 
@@ -142,7 +155,7 @@ impl Executor {
     pub fn check_blocks(&self, blocks: &[i32], what: &str) -> Result<()> {
         let n = self.pages.pool().num_blocks;
         match blocks.iter().find(|&&b| b < 0 || b as u32 >= n) {
-            Some(b) => Err(invalid(format!("{what}: block id {b} is outside the GPU pool of {n} blocks"))),
+            Some(&b) => Err(outside_pool(what, b.into(), n)),
             None => Ok(()),
         }
     }

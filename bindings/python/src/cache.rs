@@ -2,7 +2,7 @@
 //! with the GIL released; the engine's callbacks (allocate, its state kernels) and reading a prompt held as a
 //! Python list take it back for as long as they run. The first Python exception a callback or a prompt raised is
 //! what the call raises, once the core has aborted whatever it had planned.
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 
@@ -12,74 +12,16 @@ use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 use crate::copy::PyPageCopier;
 use crate::index::{PyIndex, PyReady};
 use crate::{
-    bad_argument, namespace_bytes, non_negative, prompt_len, raised_by, to_py, KvtierError, NeverType,
-    Prompt as PyPromptIds, Window,
+    bad_argument, lock, namespace_bytes, non_negative, raised_by, to_py, with_prompt, Ids, KvtierError, NeverType,
+    Raised,
 };
-use kvtier::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
+use kvtier::cache::{Allocation, Cache, Hooks, Request, Resumed, Stored};
 use kvtier::error::{Error, Result};
-use kvtier::executor::Executor;
-use kvtier::index::chain::{Check, TokenIds};
+use kvtier::executor::{block_table, Executor};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
     Ok(())
-}
-
-/// The first Python exception of a call, kept while the core unwinds (an `Error::Hook` stands for it there).
-#[derive(Default)]
-struct Raised(Option<PyErr>);
-
-impl Raised {
-    fn keep(&mut self, e: PyErr) -> Error {
-        let msg = e.to_string();
-        self.0.get_or_insert(e);
-        Error::Hook(msg)
-    }
-
-    /// The call's outcome for Python: the kept exception, else the core's error mapped.
-    fn result<T>(self, r: Result<T>) -> PyResult<T> {
-        match (r, self.0) {
-            (Ok(v), _) => Ok(v),
-            (Err(_), Some(e)) => Err(e),
-            (Err(e), None) => Err(to_py(e)),
-        }
-    }
-}
-
-/// A prompt's ids for the core: an array read in place, or a list or tuple read as the call needs it.
-enum Ids<'a> {
-    Array(&'a (dyn TokenIds + Sync)),
-    Items { seq: Py<PyAny>, block_size: usize, window: Option<(Check, Window)>, raised: &'a Mutex<Raised> },
-}
-
-impl Prompt for Ids<'_> {
-    fn ids(&mut self, check: Check, hashed: usize) -> Result<&dyn TokenIds> {
-        match self {
-            Ids::Array(a) => Ok(*a),
-            Ids::Items { seq, block_size, window, raised } => {
-                if !matches!(window, Some((Check::Full, _))) && window.as_ref().is_none_or(|w| w.0 != check) {
-                    let read = Python::attach(|py| {
-                        let seq = seq.bind(py);
-                        let n = prompt_len(seq)?;
-                        let bs = *block_size;
-                        let ranges = if check == Check::Full || hashed == 0 || hashed > n {
-                            [0..n, 0..0, 0..0]
-                        } else {
-                            [0..bs, hashed - bs..hashed, hashed..n]
-                        };
-                        Window::read(seq, &ranges)
-                    });
-                    let w = read.map_err(|e| lock(raised).keep(e))?;
-                    *window = Some((check, w));
-                }
-                Ok(&window.as_ref().expect("read above").1)
-            }
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The engine's callbacks of one call.
@@ -131,8 +73,7 @@ impl Hooks for PyHooks<'_> {
 }
 
 /// GPU block ids as the engine holds them (a list or tuple of ints, a 1-D integer numpy array, a CPU tensor
-/// through numpy), as int32. An id int32 cannot hold is refused here (naming the pool's `num_blocks`); the core
-/// checks the ids a call uses against the pool.
+/// through numpy), as the core's `block_table` takes them.
 pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> PyResult<Vec<i32>> {
     let py = obj.py();
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
@@ -145,9 +86,9 @@ pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> 
                 let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
                 bad_argument(format!("{what}[{i}] must be an int, got {ty} {item:?}"))
             })?;
-            out.push(block_id(v, what, num_blocks)?);
+            out.push(v);
         }
-        return Ok(out);
+        return block_table(out, what, num_blocks).map_err(to_py);
     }
     if obj.is_instance_of::<PyString>() {
         return Err(bad_argument(format!("{what} must be a sequence of ints or an integer array, got str")));
@@ -179,14 +120,7 @@ pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> 
     }
     let wide = arr.call_method1("astype", ("int64",))?;
     let wide = wide.cast::<PyArray1<i64>>()?.try_readonly()?;
-    wide.as_array().iter().map(|&v| block_id(v, what, num_blocks)).collect()
-}
-
-fn block_id(v: i64, what: &str, num_blocks: u32) -> PyResult<i32> {
-    i32::try_from(v)
-        .ok()
-        .filter(|&b| b >= 0)
-        .ok_or_else(|| bad_argument(format!("{what}: block id {v} is outside the GPU pool of {num_blocks} blocks")))
+    block_table(wide.as_array().iter().copied(), what, num_blocks).map_err(to_py)
 }
 
 /// The engine calls of one cache: its index (shared with an L3 tier) and its executor (the host pools' copiers,
@@ -216,16 +150,7 @@ impl PyCache {
         token_ids: &Bound<'_, PyAny>,
         f: impl for<'a> FnOnce(&Cache, &mut Ids<'a>, &'a Mutex<Raised>) -> Result<R> + Send,
     ) -> PyResult<R> {
-        let raised = Mutex::new(Raised::default());
-        let out = match PyPromptIds::of(token_ids)? {
-            PyPromptIds::Array(a) => a.with(|ids| py.detach(|| f(self.cache(), &mut Ids::Array(ids), &raised))),
-            PyPromptIds::Items(seq) => {
-                let mut ids =
-                    Ids::Items { seq: seq.unbind(), block_size: self.block_size, window: None, raised: &raised };
-                py.detach(|| f(self.cache(), &mut ids, &raised))
-            }
-        };
-        raised.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner).result(out)
+        with_prompt(py, token_ids, self.block_size, |ids, raised| f(self.cache(), ids, raised))
     }
 }
 

@@ -3,6 +3,7 @@
 //! `kvtier.BadArgument` (`bad_argument`), and so is an exception the caller's own object raised while it was read
 //! (`raised_by`); kvtier's own failures are `kvtier.KvtierError` and its subclasses.
 use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
@@ -11,8 +12,9 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
-use kvtier::error::{invalid, Error};
-use kvtier::index::chain::{bad_token, TokenIds, TOKEN_LIMIT};
+use kvtier::cache::Prompt as CorePrompt;
+use kvtier::error::Error;
+use kvtier::index::chain::{bad_token, Check, TokenIds, Window, TOKEN_LIMIT};
 
 mod cache;
 mod copy;
@@ -225,42 +227,80 @@ impl<'py> Prompt<'py> {
     }
 }
 
-/// Some of a prompt's ids, read from a list or tuple: `len` ids in all, of which the ranges in `pieces`.
-pub(crate) struct Window {
-    len: usize,
-    pieces: Vec<(usize, Vec<i32>)>,
+/// Reads `ranges` of a list or tuple of ints, range-checking each id (the error names the value and where).
+fn read_window(seq: &Bound<'_, PyAny>, ranges: &[Range<usize>]) -> PyResult<Window> {
+    let is_list = seq.is_instance_of::<PyList>();
+    Window::read(prompt_len(seq)?, ranges, |i| item(seq, is_list, i))
 }
 
-impl TokenIds for Window {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn read(&self, start: usize, out: &mut [i32]) -> kvtier::error::Result<()> {
-        let end = start + out.len();
-        let (from, ids) =
-            self.pieces.iter().find(|(from, ids)| *from <= start && end <= from + ids.len()).ok_or_else(|| {
-                invalid(format!("token_ids {start}..{end} were not read: the request changed meanwhile"))
-            })?;
-        out.copy_from_slice(&ids[start - from..end - from]);
-        Ok(())
-    }
-}
+/// The first Python exception of a call, kept while the core unwinds (an `Error::Hook` stands for it there).
+#[derive(Default)]
+pub(crate) struct Raised(Option<PyErr>);
 
-impl Window {
-    /// Reads `ranges` of a list or tuple of ints, range-checking each id (the error names the value and where).
-    pub(crate) fn read(seq: &Bound<'_, PyAny>, ranges: &[Range<usize>]) -> PyResult<Self> {
-        let len = prompt_len(seq)?;
-        let is_list = seq.is_instance_of::<PyList>();
-        let mut pieces = Vec::with_capacity(ranges.len());
-        for r in ranges.iter().filter(|r| r.start < r.end) {
-            let mut ids = Vec::with_capacity(r.len());
-            for i in r.clone() {
-                ids.push(item(seq, is_list, i)?);
-            }
-            pieces.push((r.start, ids));
+impl Raised {
+    pub(crate) fn keep(&mut self, e: PyErr) -> Error {
+        let msg = e.to_string();
+        self.0.get_or_insert(e);
+        Error::Hook(msg)
+    }
+
+    /// The call's outcome for Python: the kept exception, else the core's error mapped.
+    fn result<T>(self, r: kvtier::error::Result<T>) -> PyResult<T> {
+        match (r, self.0) {
+            (Ok(v), _) => Ok(v),
+            (Err(_), Some(e)) => Err(e),
+            (Err(e), None) => Err(to_py(e)),
         }
-        Ok(Self { len, pieces })
     }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A prompt's ids for the core: an array read in place, or a list or tuple of which the core's `Check::ranges`
+/// are read when a call asks for them (taking the GIL for the read).
+pub(crate) enum Ids<'a> {
+    Array(&'a (dyn TokenIds + Sync)),
+    Items { seq: Py<PyAny>, block_size: usize, window: Option<(Check, Window)>, raised: &'a Mutex<Raised> },
+}
+
+impl CorePrompt for Ids<'_> {
+    fn ids(&mut self, check: Check, hashed: usize) -> kvtier::error::Result<&dyn TokenIds> {
+        match self {
+            Ids::Array(a) => Ok(*a),
+            Ids::Items { seq, block_size, window, raised } => {
+                if !matches!(window, Some((Check::Full, _))) && window.as_ref().is_none_or(|w| w.0 != check) {
+                    let read = Python::attach(|py| {
+                        let seq = seq.bind(py);
+                        read_window(seq, &check.ranges(hashed, prompt_len(seq)?, *block_size))
+                    });
+                    let w = read.map_err(|e| lock(raised).keep(e))?;
+                    *window = Some((check, w));
+                }
+                Ok(&window.as_ref().expect("read above").1)
+            }
+        }
+    }
+}
+
+/// Runs `f` with the GIL released on the prompt's ids (`token_ids`, read as `Prompt::of` says) and a keeper of
+/// the first Python exception raised meanwhile, which is the call's exception.
+pub(crate) fn with_prompt<R: Send>(
+    py: Python<'_>,
+    token_ids: &Bound<'_, PyAny>,
+    block_size: usize,
+    f: impl for<'a> FnOnce(&mut Ids<'a>, &'a Mutex<Raised>) -> kvtier::error::Result<R> + Send,
+) -> PyResult<R> {
+    let raised = Mutex::new(Raised::default());
+    let out = match Prompt::of(token_ids)? {
+        Prompt::Array(a) => a.with(|ids| py.detach(|| f(&mut Ids::Array(ids), &raised))),
+        Prompt::Items(seq) => {
+            let mut ids = Ids::Items { seq: seq.unbind(), block_size, window: None, raised: &raised };
+            py.detach(|| f(&mut ids, &raised))
+        }
+    };
+    raised.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner).result(out)
 }
 
 /// The length of a prompt held as a list or tuple (a subclass's own `__len__` raising is the caller's).
