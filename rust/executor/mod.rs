@@ -214,7 +214,7 @@ impl Executor {
     }
 
     fn state_copier(&self) -> Result<&PageCopier> {
-        self.states.as_ref().ok_or_else(|| invalid("this cache has no state pool"))
+        self.states.as_ref().ok_or_else(|| Error::State("this cache has no state pool".into()))
     }
 
     /// Records `ticket` as complete once its copies are. `engine_work`: some of them (states) ran on the engine's
