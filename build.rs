@@ -2,9 +2,10 @@
 //!
 //! nvcc is looked for in this order: `NVCC`, `$CUDA_HOME/bin/nvcc`, the `nvidia-cuda-nvcc` wheel importable by the
 //! build Python (`nvidia/cu13/bin/nvcc`; pip's isolated build environment puts the build requirements there), then
-//! `PATH`. `KVTIER_NO_CUDA=1` builds without CUDA. Without nvcc, a build of the Python module (the `python`
-//! feature, i.e. a wheel) for Linux x86_64 fails with a message saying so; other builds go on without the kernel:
-//! the `kvtier_cuda` cfg is then off and the module reports CUDA unavailable at run time.
+//! `PATH`. `KVTIER_NO_CUDA=1` builds without CUDA. Without nvcc, a build with the `require-cuda` feature (which
+//! the Python bindings, bindings/python, turn on: a wheel) for Linux x86_64 fails with a message saying so; other
+//! builds go on without the kernel: the `kvtier_cuda` cfg is then off and the module reports CUDA unavailable at
+//! run time.
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,7 +31,7 @@ fn main() {
                    path, PATH)";
         // A wheel for Linux x86_64 without the kernel would be a silent downgrade for every user of it: refuse,
         // unless a CPU-only build is asked for. Plain cargo builds (tests, benches, lints) only warn.
-        let wheel = env::var_os("CARGO_FEATURE_PYTHON").is_some();
+        let wheel = env::var_os("CARGO_FEATURE_REQUIRE_CUDA").is_some();
         let linux_x86_64 = env::var("CARGO_CFG_TARGET_OS").is_ok_and(|v| v == "linux")
             && env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|v| v == "x86_64");
         if wheel && linux_x86_64 {

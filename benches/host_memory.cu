@@ -1,5 +1,5 @@
 // Host memory made by the CUDA driver (cuMemCreate on the host NUMA node, chunks mapped into one range) against
-// the process's pages registered with cudaHostRegister in steps, the two ways rust/hostmem.rs pins a host pool:
+// the process's pages registered with cudaHostRegister in steps, the two ways rust/executor/hostmem.rs pins a host pool:
 // CPU access, copies across chunks (cudaMemcpyAsync, cudaMemcpy2DAsync, and the batch calls kvtier makes), their
 // rates, and how long another thread's kernel launch and small copy take while each kind of memory is made (GIB GiB
 // of it in each step size). docs/PERFORMANCE.md, "Host pool pinning", has the figures. Needs a GPU:

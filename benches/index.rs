@@ -4,10 +4,10 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvtier::chain::{BlockHasher, Chain, Check, HashKind};
+use kvtier::index::chain::{BlockHasher, Chain, Check, HashKind};
+use kvtier::index::policy::Policy;
 use kvtier::index::KeyState;
 use kvtier::l3::SeenSet;
-use kvtier::policy::Policy;
 use kvtier::{Config, Index};
 
 const BLOCK: usize = 64;

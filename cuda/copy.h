@@ -1,4 +1,4 @@
-// C interface of kvtier's CUDA code, called from Rust (rust/cuda.rs). Every function that can fail returns a
+// C interface of kvtier's CUDA code, called from Rust (rust/executor/cuda.rs). Every function that can fail returns a
 // cudaError_t value (0 = success); kvtier_cuda_error_string turns it into CUDA's message.
 #pragma once
 #include <stddef.h>

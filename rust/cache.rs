@@ -4,11 +4,11 @@
 //! The engine's own work during a call (allocating blocks, its state kernels) comes back through `Hooks`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::chain::{Check, TokenIds};
 use crate::error::{invalid, Error, Result};
 use crate::executor::Executor;
-use crate::index::{Index, Ready};
-use crate::l3plan::wants_fetch;
+use crate::index::chain::{Check, TokenIds};
+use crate::index::{Index, Lookup, Ready};
+use crate::l3::plan::wants_fetch;
 
 /// The index of a cache, shared with the L3 tier's planner.
 pub type SharedIndex = Arc<Mutex<Index>>;
@@ -56,6 +56,27 @@ impl<T: TokenIds> Prompt for T {
 pub struct Request<'a> {
     pub id: &'a str,
     pub namespace: &'a [u8],
+}
+
+/// What a resume of this prompt would restore now (`Index::lookup`): the prompt's ends are compared with the
+/// request's chain and its new blocks hashed; with `verify` (a hit is loaded next) a hit also compares every
+/// token. The prompt is read before the index is locked: reading a list takes the GIL, and no lock may be held
+/// while waiting for it.
+pub fn lookup(index: &SharedIndex, request: Request<'_>, prompt: &mut dyn Prompt, verify: bool) -> Result<Lookup> {
+    let hashed = lock(index).hashed_tokens(request.id);
+    let ids = prompt.ids(Check::Ends, hashed)?;
+    let look = lock(index).lookup(request.id, request.namespace, ids)?;
+    if verify && look.hit_tokens > 0 {
+        verify_prompt(index, request, prompt)?;
+    }
+    Ok(look)
+}
+
+/// Compares every token hashed for the request with the prompt (`Error::PromptMismatch` when it does not extend
+/// them), before anything is loaded from the request's chain.
+pub fn verify_prompt(index: &SharedIndex, request: Request<'_>, prompt: &mut dyn Prompt) -> Result<()> {
+    let ids = prompt.ids(Check::Full, 0)?;
+    lock(index).verify(request.id, request.namespace, ids)
 }
 
 /// What a resume did.
@@ -133,12 +154,7 @@ impl Cache {
         engine: u64,
         fetch_group_pages: Option<usize>,
     ) -> Result<Resumed> {
-        let Request { id: request_id, namespace } = request;
-        // The prompt is read before the index is locked: reading a list takes the GIL, and no lock may be held
-        // while waiting for it.
-        let hashed = lock(&self.index).hashed_tokens(request_id);
-        let ids = prompt.ids(Check::Ends, hashed)?;
-        let look = lock(&self.index).lookup(request_id, namespace, ids)?;
+        let look = lookup(&self.index, request, prompt, false)?;
         if fetch_group_pages.is_some_and(|g| wants_fetch(g, look.ready_pages, look.limit_pages)) {
             return Ok(Resumed::Fetch { ready_pages: look.ready_pages, limit_pages: look.limit_pages });
         }
@@ -146,8 +162,8 @@ impl Cache {
         if hit == 0 {
             return Ok(Resumed::Miss);
         }
-        let ids = prompt.ids(Check::Full, hashed)?;
-        lock(&self.index).verify(request_id, namespace, ids)?;
+        verify_prompt(&self.index, request, prompt)?;
+        let request_id = request.id;
         let table = match hooks.allocate()? {
             Allocation::Never => return Ok(Resumed::Miss),
             Allocation::NotNow => {
@@ -194,7 +210,7 @@ impl Cache {
         let n = tokens.len();
         let (plan, pinning, skipped) = {
             let mut ix = lock(&self.index);
-            let blocks = first_blocks(table, n / ix.config().block_size, "block_table")?;
+            let blocks = full_blocks(table, n, ix.config().block_size, "block_table")?;
             self.executor().check_blocks(blocks, "block_table")?;
             let before = ix.stats().store_skipped;
             let plan = ix.plan_store(request_id, namespace, tokens, seq_len.unwrap_or(n))?;
@@ -293,14 +309,25 @@ fn first_blocks<'a>(table: &'a [i32], needed: usize, what: &str) -> Result<&'a [
     table.get(..needed).ok_or_else(|| invalid(format!("{what} has {} blocks, {needed} are needed", table.len())))
 }
 
+/// The GPU blocks of a prompt's full blocks in a block table: its first `tokens / block_size` ids, none negative.
+/// An executor that copies them checks them against its pool too (`Executor::check_blocks`).
+pub fn full_blocks<'a>(table: &'a [i32], tokens: usize, block_size: usize, what: &str) -> Result<&'a [i32]> {
+    let blocks = first_blocks(table, tokens / block_size, what)?;
+    match blocks.iter().position(|&b| b < 0) {
+        Some(i) => Err(invalid(format!("{what}[{i}] = {} is negative", blocks[i]))),
+        None => Ok(blocks),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc as StdArc;
 
     use super::*;
-    use crate::copy::{CopyOptions, GpuPool, PageCopier};
-    use crate::cuda::Layer;
-    use crate::hostmem::{HostPool, PinMethod};
+    use crate::executor::block_table;
+    use crate::executor::copy::{CopyOptions, GpuPool, PageCopier};
+    use crate::executor::cuda::Layer;
+    use crate::executor::hostmem::{HostPool, PinMethod};
     use crate::index::Config;
 
     const BS: usize = 4;
@@ -413,6 +440,9 @@ mod tests {
         assert!(err.to_string().contains("block_table has 2 blocks, 3 are needed"), "{err}");
         let err = c.store(req("a"), &mut prompt, &[0, 1, 16], None, &mut e, 0).unwrap_err();
         assert!(err.to_string().contains("block id 16 is outside the GPU pool of 16 blocks"), "{err}");
+        let err = full_blocks(&[0, -1, 2, 3], 13, BS, "block_table").unwrap_err();
+        assert_eq!(err.to_string(), "block_table[1] = -1 is negative");
+        assert_eq!(full_blocks(&[0, 1, 2, -1], 13, BS, "block_table").unwrap(), &[0, 1, 2], "ids past the prompt's");
         let ix = lock(c.index());
         assert_eq!((ix.requests(), ix.in_flight()), (0, 0));
         drop(ix);
@@ -422,6 +452,51 @@ mod tests {
         let err = c.resume(req("b"), &mut prompt, &mut short, 0, None).unwrap_err();
         assert!(err.to_string().contains("allocate()'s block table has 2 blocks, 3 are needed"), "{err}");
         assert_eq!(lock(c.index()).in_flight(), 0);
+    }
+
+    #[test]
+    fn a_block_table_beyond_int32_or_negative_is_refused_with_the_pools_message() {
+        assert_eq!(block_table([0, 5, 1 << 20], "block_table", 16).unwrap(), vec![0, 5, 1 << 20]);
+        for bad in [-1, 1 << 31] {
+            let err = block_table([0, bad], "allocate()'s block table", 16).unwrap_err();
+            let want = format!("allocate()'s block table: block id {bad} is outside the GPU pool of 16 blocks");
+            assert_eq!(err.to_string(), want);
+        }
+    }
+
+    /// A prompt that records which checks a call read it for.
+    struct Recorded {
+        ids: Vec<i32>,
+        reads: Vec<Check>,
+    }
+
+    impl Prompt for Recorded {
+        fn ids(&mut self, check: Check, _hashed: usize) -> Result<&dyn TokenIds> {
+            self.reads.push(check);
+            Ok(&self.ids)
+        }
+    }
+
+    #[test]
+    fn a_lookup_compares_the_ends_and_with_verify_every_token_of_a_hit() {
+        let (_gpu, _staging, c) = setup(16, 8, 0);
+        let mut prompt: Vec<i32> = (0..13).collect();
+        let mut p = Recorded { ids: prompt.clone(), reads: Vec::new() };
+        assert_eq!(lookup(c.index(), req("a"), &mut p, true).unwrap().hit_tokens, 0);
+        assert_eq!(p.reads, vec![Check::Ends], "a miss is never verified");
+        c.store(req("s"), &mut prompt, &[0, 1, 2], None, &mut engine(None), 0).unwrap();
+        c.poll().unwrap();
+        p.reads.clear();
+        assert_eq!(lookup(c.index(), req("a"), &mut p, false).unwrap().hit_tokens, 12);
+        assert_eq!(p.reads, vec![Check::Ends]);
+        p.reads.clear();
+        assert_eq!(lookup(c.index(), req("a"), &mut p, true).unwrap().hit_tokens, 12);
+        assert_eq!(p.reads, vec![Check::Ends, Check::Full]);
+        // A token in the middle changed: the ends agree, every token does not.
+        p.ids[5] = 99;
+        assert_eq!(lookup(c.index(), req("a"), &mut p, false).unwrap().hit_tokens, 12);
+        let err = lookup(c.index(), req("a"), &mut p, true).unwrap_err();
+        assert!(matches!(err, Error::PromptMismatch { .. }), "{err}");
     }
 
     #[test]

@@ -19,6 +19,10 @@ pub enum Error {
     /// A lookup's pages or state were evicted before the load began.
     #[error("lookup of request {0:?} is stale: its pages or state left the host pool")]
     Stale(String),
+    /// kvtier's own state refuses the call (the host pool is closed, a slot is not usable yet): kvtier's failure,
+    /// never the caller's.
+    #[error("{0}")]
+    State(String),
     /// An internal consistency check failed (never expected; reported rather than panicking).
     #[error("invariant violated: {0}")]
     Invariant(String),

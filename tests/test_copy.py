@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvtier import BadArgument, KvtierError  # noqa: E402
 from kvtier.copy import CompletionQueue, HostPool, PageCopier, host_array, layer_views  # noqa: E402
 
 POISON = 0xA5
@@ -125,15 +126,17 @@ def test_host_pool_grows_in_pin_steps() -> None:
     assert first == host.usable_slots == (64 << 10) // 16000
     host.write(first - 1, b"\x07" * 16)
     assert host.read(first - 1)[:17] == b"\x07" * 16 + b"\x00"
-    with pytest.raises(ValueError, match=f"slot {first} is not below usable_slots = {first}"):
-        host.read(first)
+    with pytest.raises(KvtierError, match=f"slot {first} is not below usable_slots = {first}"):
+        host.read(first)  # not pinned yet: the pool's state, kvtier's own
+    with pytest.raises(BadArgument, match="slot 100 is outside the host pool of 100 slots"):
+        host.read(100)
     assert host.grow_to(100) == 100
     assert host.grow_step() == 100
     assert host.backed_bytes >= 100 * 16000
     assert host_array(host).shape == (100, 16000)
     host.close()
     host.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(KvtierError, match="closed"):
         host.grow_step()
 
 
@@ -179,7 +182,7 @@ def setup():  # type: ignore[no-untyped-def]
         (lambda c: c.to_host([0, 1], [0]), ValueError, "differ in length: 2 and 1"),
         (lambda c: c.to_host([10], [0]), ValueError, r"gpu_ids\[0\] = 10 is outside the GPU pool of 10 blocks"),
         (lambda c: c.to_host([1, -1], [0, 1]), ValueError, r"gpu_ids\[1\] = -1"),
-        (lambda c: c.to_host([1], [8]), ValueError, r"host_slots\[0\] = 8 is not below usable_slots = 8"),
+        (lambda c: c.to_host([1], [8]), BadArgument, r"host_slots\[0\] = 8 is outside the host pool of 8 slots"),
         (lambda c: c.to_host([1, 2, 3], [4, 5, 4]), ValueError, "host_slots names destination 4 twice"),
         (lambda c: c.to_gpu([1, 2], [3, 3]), ValueError, "gpu_ids names destination 3 twice"),
         (lambda c: c.to_host(np.array([1], np.int64), [0]), TypeError, "int32"),

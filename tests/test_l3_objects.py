@@ -1,6 +1,6 @@
-"""The one L3 object path (rust/l3path.rs) as SGLang's KvtierStore and vLLM's KvtierMooncakeTier drive it: one
+"""The one L3 object path (rust/l3/path.rs) as SGLang's KvtierStore and vLLM's KvtierMooncakeTier drive it: one
 object a page under the engine's page hash, staged or zero-copy, through a Store seam that fails as Mooncake does.
-No engine and no Mooncake needed: kvtier's own tier runs the same path (rust/l3plan.rs's tests, test_l3_tier.py)."""
+No engine and no Mooncake needed: kvtier's own tier runs the same path (rust/l3/plan.rs's tests, test_l3_tier.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two registries: statistics (rust/stats.rs, exported to Prometheus) and settings (kvtier.settings)."""
+"""The two registries: statistics (rust/index/stats.rs, exported to Prometheus) and settings (kvtier.settings)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import stat_table
+from kvtier import BadArgument, stat_table
 from kvtier.cache import HostPrefixCache
 from kvtier.settings import BOOL, REGISTRY, SECRET, TEXT, CacheSettings, markdown_table
 
@@ -39,7 +39,7 @@ def exported(c: HostPrefixCache) -> dict[str, float]:
 
 def check_stats(c: HostPrefixCache, *, l3: bool) -> None:
     s = c.stats()
-    assert set(s) <= set(TABLE), f"stats() keys missing from rust/stats.rs: {sorted(set(s) - set(TABLE))}"
+    assert set(s) <= set(TABLE), f"stats() keys missing from rust/index/stats.rs: {sorted(set(s) - set(TABLE))}"
     want = {name for name in TABLE if l3 or not name.startswith("l3_")}
     assert want <= set(s), f"statistics of the table that stats() does not report: {sorted(want - set(s))}"
     out = exported(c)
@@ -106,6 +106,7 @@ BAD_VALUES = {
     "bool": ["maybe", 2, 1.0],
     "text": [5, b"x"],
     "secret": [5],
+    "address": [5, b"x", "nohost", "host:0", "host:65536", ":1"],
 }
 
 
@@ -117,10 +118,10 @@ def test_every_bad_value_is_a_value_error_naming_the_setting(setting):
     for value in bad:
         if setting.minimum is not None and setting.minimum <= -1 and value == -1:
             continue
-        with pytest.raises(ValueError, match=setting.name):
+        with pytest.raises(BadArgument, match=setting.name):
             CacheSettings(**{setting.name: value})
     if setting.kind not in (TEXT, SECRET):
-        with pytest.raises(ValueError, match=f"{setting.name} \\(from {setting.variable}='garbage'\\)"):
+        with pytest.raises(BadArgument, match=f"{setting.name} \\(from {setting.variable}='garbage'\\)"):
             CacheSettings.resolve({setting.variable: "garbage"})
     if setting.kind == BOOL:
         assert CacheSettings(**{setting.name: "off"}).__getattr__(setting.name) is False

@@ -1129,7 +1129,7 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         ({"model_version": None}, "needs model_version"),
         ({"l3_master": None}, "needs l3_master"),
         ({"hash_key": None}, "public default hash_key"),
-        ({"root_dir": "/tmp"}, r"config keys \['root_dir'\] are not settings of this tier"),
+        ({"root_dir": "/tmp"}, r"config keys \['root_dir'\] are not settings of kvtier.vllm.KvtierMooncakeTier"),
         ({"l3_master": "nohost"}, "nohost"),
         ({"l3_protocol": "carrier-pigeon"}, "carrier-pigeon"),
     ],

@@ -2,11 +2,17 @@
 
 The host tier keeps KV pages and per-sequence states in pinned host memory after the GPU pool dropped them and
 copies them back on the engine's stream; the optional L3 tier shares them through Mooncake Store.
+
+Exceptions: a caller's mistake raises ``BadArgument`` (a ``ValueError`` and a ``TypeError``; its ``__cause__`` is the
+exception the caller's own object raised, if one did); kvtier's own failures raise ``KvtierError`` (a
+``RuntimeError``) or one of its subclasses.
 """
 
 from kvtier._core import (
     EVICTION_POLICIES,
     KEY_SCHEME,
+    NEVER,
+    BadArgument,
     CopyError,
     Index,
     IndexConfig,
@@ -28,6 +34,8 @@ from kvtier._core import (
 __all__ = [
     "EVICTION_POLICIES",
     "KEY_SCHEME",
+    "NEVER",
+    "BadArgument",
     "CopyError",
     "Index",
     "IndexConfig",

@@ -1,6 +1,6 @@
 """Type stubs of kvtier's Rust core (kvtier._core)."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar, final
 
 import numpy as np
@@ -11,8 +11,13 @@ __version__: Final[str]
 # Version of the block-key derivation: every key changes with it (part of the L3 fingerprint).
 KEY_SCHEME: Final[int]
 __all__ = [
+    "COPY_METHODS",
     "EVICTION_POLICIES",
+    "HASH_KINDS",
     "KEY_SCHEME",
+    "NEVER",
+    "PIN_METHODS",
+    "BadArgument",
     "Cache",
     "CompletionQueue",
     "CopyError",
@@ -31,6 +36,7 @@ __all__ = [
     "L3_HEADER_BYTES",
     "L3_CODES",
     "LoadPlan",
+    "NeverType",
     "Lookup",
     "ObjectFormat",
     "ObjectPath",
@@ -55,8 +61,12 @@ _Int32Ids: TypeAlias = npt.NDArray[np.int32] | Sequence[int]
 # array.array, or a CPU tensor (read through a numpy view). Ids are range-checked: 0 <= id < 2**31.
 _TokenIds: TypeAlias = npt.ArrayLike
 
-class KvtierError(Exception):
-    """Base class of kvtier's own errors."""
+class KvtierError(RuntimeError):
+    """Base class of kvtier's own errors (never the caller's)."""
+
+class BadArgument(ValueError, TypeError):
+    """A caller's mistake: a bad argument, or an exception the caller's own object raised while kvtier read it (then
+    its __cause__)."""
 
 class StaleLookupError(KvtierError):
     """A lookup's pages or state left the host pool before the load began."""
@@ -64,7 +74,7 @@ class StaleLookupError(KvtierError):
 class CopyError(KvtierError):
     """A page copy could not be launched or failed."""
 
-class PromptMismatchError(ValueError):
+class PromptMismatchError(BadArgument):
     """A request id was used for a prompt that does not extend the tokens already hashed for it (a request's tokens
     only grow until forget())."""
 
@@ -150,6 +160,16 @@ class IndexConfig:
     def event_buffer(self) -> int: ...
 
 EVICTION_POLICIES: Final[list[str]]
+# The names the core's parsers take: the hash_kind, copy_method and pin_method settings' choices.
+HASH_KINDS: Final[list[str]]
+COPY_METHODS: Final[list[str]]
+PIN_METHODS: Final[list[str]]
+
+@final
+class NeverType:
+    """The type of ``NEVER``, what ``allocate()`` returns when the sequence can never be allocated (a miss)."""
+
+NEVER: Final[NeverType]
 
 _A = TypeVar("_A")
 
@@ -253,7 +273,7 @@ class Index:
     def state_slot(self, key: int) -> int | None: ...
     def check(self) -> None: ...
 
-# ---- L3: planning, the one object path, Store codes (rust/py/l3.rs, rust/py/objects.rs) ------------------------
+# ---- L3: planning, the one object path, Store codes (bindings/python/src/l3.rs, bindings/python/src/objects.rs) ------
 
 L3_FORMAT_VERSION: Final[int]
 L3_HEADER_BYTES: Final[int]
@@ -367,7 +387,7 @@ class ObjectPath:
     def put(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
     def get(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
 
-# ---- page copies (rust/py/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) ----------------
+# ---- page copies (bindings/python/src/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) -------------
 
 @final
 class HostPool:
@@ -469,7 +489,7 @@ class CopyEvent:
     def done(self) -> bool: ...
     def synchronize(self) -> None: ...
 
-# ---- engine calls (rust/py/cache.rs over rust/cache.rs): one call into the core each ---------------------------
+# ---- engine calls (bindings/python/src/cache.rs over rust/cache.rs): one call into the core each ---------------------
 
 @final
 class Cache:
@@ -510,7 +530,7 @@ class Cache:
         request_id: str,
         token_ids: _TokenIds,
         *,
-        allocate: Any,
+        allocate: Callable[[], Any],
         state: Any = None,
         namespace: str | bytes | None = None,
         stream: int = 0,

@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier import Index, KvEvent
+from kvtier import BadArgument, Index, KvEvent
 from kvtier._core import Cache as CoreCache
+from kvtier._core import NeverType
 from kvtier.copy import HostPool, PageCopier
-from kvtier.failures import CALLER_ERRORS, Calls, Failures, guarded
+from kvtier.failures import Calls, Failures, guarded
 from kvtier.geometry import Geometry
 from kvtier.hostmem import HostMemory
 from kvtier.settings import CacheSettings
@@ -63,9 +64,9 @@ BlockTable = Sequence[int] | np.ndarray | torch.Tensor
 
 def _check_call(request_id: Any, namespace: Any) -> None:
     if not isinstance(request_id, str):
-        raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        raise BadArgument(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
     if namespace is not None and not isinstance(namespace, (str, bytes)):
-        raise TypeError(f"namespace must be str, bytes or None, got {type(namespace).__name__}")
+        raise BadArgument(f"namespace must be str, bytes or None, got {type(namespace).__name__}")
 
 
 def _host_ids(table: Any) -> Any:
@@ -118,7 +119,7 @@ class HostPrefixCache:
             pages, s, block_size=block_size, page_layers=page_layers, state_bytes=state_bytes
         )
         if g.state_slots and (select_state is None or load_state is None):
-            raise ValueError("state_slots > 0 needs both select_state and load_state callbacks")
+            raise BadArgument("state_slots > 0 needs both select_state and load_state callbacks")
         self.device, self.block_size, self.page_bytes = g.device, g.block_size, g.page_bytes
         self.page_slots, self.state_bytes = g.page_slots, g.state_bytes
         self.index = Index(g.index_config(s), usable_page_slots=0, usable_state_slots=0)
@@ -258,7 +259,7 @@ class HostPrefixCache:
         request_id: str,
         prompt_ids: Any,
         *,
-        allocate: Callable[[], BlockTable | None],
+        allocate: Callable[[], BlockTable | NeverType | None],
         state: Any = None,
         namespace: str | bytes | None = None,
     ) -> int:
@@ -270,15 +271,17 @@ class HostPrefixCache:
         (docs/INDEX.md); a call for a request already seen costs its new tokens, not the prompt.
 
         ``allocate()`` is called only on a hit: it allocates the sequence's GPU blocks now and returns its block
-        table (GPU block ids, the same value ``store`` takes), or None for "not now"; a RuntimeError means
-        "never". Returns the cached tokens, 0 for a miss (or a failure: the sequence is then recomputed from
-        scratch, even if it was allocated), or -1 when the sequence should retry later (``allocate()`` said not
-        now, or an L3 fetch for it is running; nothing of the sequence was touched).
+        table (GPU block ids, the same value ``store`` takes), None for "not now", or ``kvtier.NEVER`` for "never"
+        (a miss). An exception ``allocate()`` raises (a CUDA out-of-memory) reaches the caller as a
+        ``BadArgument`` whose cause it is, and counts nothing. Returns the cached tokens, 0 for a miss (or a
+        failure: the sequence is then recomputed from scratch, even if it was allocated), or -1 when the sequence
+        should retry later (``allocate()`` said not now, or an L3 fetch for it is running; nothing of the sequence
+        was touched).
         """
         _check_call(request_id, namespace)
         self._check_state(state)
         if not callable(allocate):
-            raise TypeError(f"allocate must be callable, got {type(allocate).__name__}")
+            raise BadArgument(f"allocate must be callable, got {type(allocate).__name__}")
         return self._resume(request_id, prompt_ids, allocate, state, namespace)
 
     @guarded(0)
@@ -324,7 +327,7 @@ class HostPrefixCache:
 
     def _check_state(self, state: Any) -> None:
         if state is None and self._host.states is not None:
-            raise TypeError(
+            raise BadArgument(
                 "state= must be the engine's handle of the sequence's state (this model has state), got None"
             )
 
@@ -380,7 +383,7 @@ class HostPrefixCache:
             return
         try:
             fn(*args, **kwargs)
-        except CALLER_ERRORS:
+        except BadArgument:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
             self.failures.failed(what, e)
@@ -400,7 +403,7 @@ class HostPrefixCache:
             self._core.forget(request_id, stream=self._stream())
             if self._l3 is not None:
                 self._l3.forget(request_id)
-        except CALLER_ERRORS:
+        except BadArgument:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
             self.failures.failed("forget", e)
@@ -414,7 +417,7 @@ class HostPrefixCache:
         nothing until forgotten, and L3 objects are named and checked under the new version's fingerprint. Call
         it before the engine runs any prefill on the new weights."""
         if not isinstance(version, str) or not version:
-            raise TypeError(f"version must be a non-empty str, got {type(version).__name__} {version!r}")
+            raise BadArgument(f"version must be a non-empty str, got {type(version).__name__} {version!r}")
         with self._lock:
             if self.index.set_model_version(version) and self._l3 is not None:
                 self._l3.set_model_version(version)
@@ -463,8 +466,8 @@ class HostPrefixCache:
 
     def report_error(self, where: str, e: BaseException) -> None:
         """For adapters that must not raise into their engine: ``e`` was raised by a call at ``where``. A caller's
-        bad argument (``OverflowError``, ``TypeError``, ``ValueError``) is logged and counted in
-        ``bad_arguments``, never towards ``max_errors``; anything else is kvtier's failure (``errors``)."""
+        mistake (``kvtier.BadArgument``) is logged and counted in ``bad_arguments``, never towards ``max_errors``;
+        anything else is kvtier's failure (``errors``)."""
         self.failures.report(where, e)
 
     def disable(self, reason: str) -> None:

@@ -10,8 +10,9 @@ On a CUDA pool, ``to_host``/``to_gpu`` enqueue the batch on the given stream (to
 return at once, by the copy kernel or the copy engine (``method``: "auto" takes the copy engine for pieces of at
 least ``crossover_bytes``, see docs/PERFORMANCE.md); record a ticket in a :class:`CompletionQueue` after them and
 poll it from the engine loop. On a CPU pool they copy with a multi-threaded memcpy and are complete on return. Every
-argument is checked before anything is copied: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong
-shape, device, alignment, id or length, :class:`kvtier.CopyError` for a CUDA error (with CUDA's message).
+argument is checked before anything is copied: :class:`kvtier.BadArgument` (a ``ValueError`` and a ``TypeError``)
+for a wrong type, dtype, shape, device, alignment, id or length, :class:`kvtier.CopyError` for a CUDA error (with
+CUDA's message).
 ``KVTIER_DEBUG_SYNC=1`` makes every launch wait for its stream and report the kernel's own error.
 """
 
@@ -23,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier._core import CompletionQueue, CopyError, CopyEvent, CopyStream, HostPool, dma_supported
+from kvtier._core import (
+    COPY_METHODS,
+    BadArgument,
+    CompletionQueue,
+    CopyError,
+    CopyEvent,
+    CopyStream,
+    HostPool,
+    dma_supported,
+)
 from kvtier._core import PageCopier as _CorePageCopier
 
 if TYPE_CHECKING:
@@ -42,7 +52,8 @@ __all__ = [
     "layer_views",
 ]
 
-METHODS = ("auto", "kernel", "dma")
+# The copy methods, as the core parses them.
+METHODS = tuple(COPY_METHODS)
 
 
 def host_array(pool: HostPool) -> np.ndarray:
@@ -67,11 +78,11 @@ def layer_views(pool: torch.Tensor, page_layers: int) -> list[torch.Tensor]:
     """A page-first pool ``[num_blocks, page_bytes]`` whose page is ``page_layers`` equal parts back to back, as one
     strided ``[num_blocks, page_bytes / page_layers]`` view a part: the layer-first pool of the same bytes."""
     if not is_int(page_layers) or page_layers < 1:
-        raise ValueError(f"page_layers must be a positive int, got {page_layers!r}")
+        raise BadArgument(f"page_layers must be a positive int, got {page_layers!r}")
     page_layers = int(page_layers)
     num_blocks, page_bytes = pool.shape
     if page_bytes % page_layers or (page_bytes // page_layers) % 16:
-        raise ValueError(
+        raise BadArgument(
             f"a page of {page_bytes} bytes does not split into {page_layers} layer parts of a multiple of 16 bytes"
         )
     return list(pool.view(num_blocks, page_layers, page_bytes // page_layers).unbind(1))
@@ -103,7 +114,7 @@ def _ids(ids: Any, what: str) -> Any:
     """Ids as the core takes them: numpy int32 arrays and int sequences as they are, CPU torch tensors as numpy."""
     if type(ids).__module__.startswith("torch"):
         if ids.device.type != "cpu":
-            raise TypeError(f"{what} must be on the CPU (numpy or a CPU tensor), got a tensor on {ids.device}")
+            raise BadArgument(f"{what} must be on the CPU (numpy or a CPU tensor), got a tensor on {ids.device}")
         return ids.numpy()
     return ids
 
@@ -133,31 +144,31 @@ class PageCopier:
 
         tensors = [gpu_pool] if isinstance(gpu_pool, torch.Tensor) else list(gpu_pool)
         if not tensors:
-            raise ValueError("gpu_pool is an empty list of layer tensors")
+            raise BadArgument("gpu_pool is an empty list of layer tensors")
         for i, t in enumerate(tensors):
             name = "gpu_pool" if len(tensors) == 1 and isinstance(gpu_pool, torch.Tensor) else f"gpu_pool[{i}]"
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                raise BadArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dtype != torch.uint8:
-                raise TypeError(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
+                raise BadArgument(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
             if t.dim() != 2:
-                raise ValueError(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
+                raise BadArgument(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
             if t.stride(1) != 1 and t.shape[1] > 1:
-                raise ValueError(
+                raise BadArgument(
                     f"{name} must have contiguous rows (stride 1 within a block), got strides {t.stride()}"
                 )
             if t.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
+                raise BadArgument(f"{name} must be on the CPU or a CUDA device, got {t.device}")
             if t.shape != tensors[0].shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
+                raise BadArgument(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
             if t.device != tensors[0].device:
-                raise ValueError(
+                raise BadArgument(
                     f"all layer tensors must be on one device: {name} is on {t.device}, layer 0 on {tensors[0].device}"
                 )
         if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            raise BadArgument(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(host, HostPool):
-            raise TypeError(f"host must be a kvtier HostPool, got {type(host).__name__}")
+            raise BadArgument(f"host must be a kvtier HostPool, got {type(host).__name__}")
         dev = tensors[0].device
         self.device: torch.device = dev
         self._cuda_index = (
@@ -170,7 +181,7 @@ class PageCopier:
             for i, (ptr, n) in enumerate(spans):
                 at = unwritable(ptr, ptr + n)
                 if at is not None:
-                    raise ValueError(
+                    raise BadArgument(
                         f"gpu_pool[{i}] is not writable memory at {at:#x} (its {n} bytes from {ptr:#x}): a load "
                         "would write into it"
                     )
@@ -262,13 +273,13 @@ class PageCopier:
         return int(stream.cuda_stream)
 
     def check_memory(self) -> None:
-        """Raises ``ValueError`` when a pool tensor no longer points at the memory the copier was built over (the
+        """Raises ``BadArgument`` when a pool tensor no longer points at the memory the copier was built over (the
         engine freed or resized its storage, or gave the tensor another one): checked before every copy."""
         for i, (t, storage, (ptr, base, nbytes)) in enumerate(
             zip(self._tensors, self._storages, self._memory, strict=True)
         ):
             if t.data_ptr() != ptr or storage.data_ptr() != base or storage.nbytes() != nbytes:
-                raise ValueError(
+                raise BadArgument(
                     f"gpu_pool[{i}] changed after the copier was built: data pointer {t.data_ptr():#x} (was {ptr:#x}), "
                     f"storage of {storage.nbytes()} bytes at {storage.data_ptr():#x} (was {nbytes} at {base:#x}); "
                     "the engine must not free, resize or replace its KV pool while a cache uses it"

@@ -23,9 +23,11 @@ deployment vouches for) or a digest of every byte of every tensor of ``engine.mo
 ``cp_rank`` / ``cp_size`` and ``engine.kv_replicated`` (MLA) where the engine has them, unless the caller passes
 ``shard``. Weights updated in place: ``set_model_version(v)``.
 
-Every call catches its own exceptions (bad arguments included) and never raises into the engine: a bad argument
-is logged and counted in ``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after
-``max_errors`` of them the cache disables itself. The request continues uncached either way.
+Every call catches its own exceptions (bad arguments included) and never raises into the engine: the engine's
+mistakes (a ``kvtier.BadArgument``: a bad argument, or what its own objects raised while the adapter read them,
+``scheduler.try_allocate_seq`` included, such as a CUDA out-of-memory) are logged with their cause and counted in
+``bad_arguments``; any other failure is kvtier's, counted in ``errors``, and after ``max_errors`` of them the cache
+disables itself. The request continues uncached either way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvtier import BadArgument
 from kvtier.cache import HostPrefixCache
 from kvtier.identity import Shard, model_identity
 
@@ -50,7 +53,7 @@ def engine_shard(engine: Any) -> Shard:
 
 def _field(seq: Any, path: str) -> Any:
     """``seq.<path>`` of an engine sequence (``"get_len()"`` calls it); whatever goes wrong reading it is the
-    engine's argument: a TypeError."""
+    engine's argument: a ``BadArgument``, whose cause is what the engine's sequence raised."""
     try:
         value = seq
         for part in path.split("."):
@@ -59,12 +62,12 @@ def _field(seq: Any, path: str) -> Any:
                 value = value()
         return value
     except Exception as e:  # noqa: BLE001 - any failure to read the engine's sequence is a bad argument
-        raise TypeError(f"the sequence ({type(seq).__name__}) has no usable {path}: {type(e).__name__}: {e}") from e
+        raise BadArgument(f"the sequence ({type(seq).__name__}) has no usable {path}: {type(e).__name__}: {e}") from e
 
 
 def _sequences(seqs: Any, what: str) -> list[Any]:
     if seqs is None or isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
-        raise TypeError(f"{what} must be a list of the engine's sequences, got {type(seqs).__name__}")
+        raise BadArgument(f"{what} must be a list of the engine's sequences, got {type(seqs).__name__}")
     return list(seqs)
 
 
@@ -124,11 +127,11 @@ class Cache:
         that finished this step) is only checked: their blocks are ordered by ``release`` and ``forget``."""
         try:
             _sequences(finished, "finished")
-        except TypeError as e:
+        except BadArgument as e:
             self.cache.report_error("on_prefill_step", e)
         try:
             seqs = _sequences(scheduled, "scheduled")
-        except TypeError as e:
+        except BadArgument as e:
             self.cache.report_error("on_prefill_step", e)
             return
         for seq in seqs:

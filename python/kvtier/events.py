@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier import KvEvent
+from kvtier import BadArgument, KvEvent
 from kvtier.extras import install_hint
 
 log = logging.getLogger("kvtier.events")
@@ -207,7 +207,7 @@ def _address(endpoint: str) -> tuple[int, Any, str]:
         return socket_module.AF_UNIX, rest, scheme
     host, sep, port = rest.rpartition(":")
     if scheme != "tcp" or not sep or not host or not (port == "*" or port.isdigit()):
-        raise ValueError(f"endpoint must be 'tcp://host:port' or 'ipc://path', got {endpoint!r}")
+        raise BadArgument(f"endpoint must be 'tcp://host:port' or 'ipc://path', got {endpoint!r}")
     host = host.strip("[]")
     host = "0.0.0.0" if host == "*" else host  # noqa: S104 - binding every interface is what '*' asks for
     family = socket_module.AF_INET6 if ":" in host else socket_module.AF_INET
@@ -241,13 +241,13 @@ class EventPublisher:
     ) -> None:
         _module("msgpack")
         if not isinstance(endpoint, str):
-            raise ValueError(f"endpoint must be 'tcp://host:port' or 'ipc://path', got {endpoint!r}")
+            raise BadArgument(f"endpoint must be 'tcp://host:port' or 'ipc://path', got {endpoint!r}")
         family, address, scheme = _address(endpoint)
         if data_parallel_rank is not None and (not isinstance(data_parallel_rank, int) or data_parallel_rank < 0):
-            raise ValueError(f"data_parallel_rank must be an int >= 0, got {data_parallel_rank!r}")
+            raise BadArgument(f"data_parallel_rank must be an int >= 0, got {data_parallel_rank!r}")
         for name, value in (("queue", queue), ("max_peers", max_peers)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise BadArgument(f"{name} must be an int >= 1, got {value!r}")
         listener = socket_module.socket(family, socket_module.SOCK_STREAM)
         try:
             if family != socket_module.AF_UNIX:

@@ -1,9 +1,11 @@
 """The failure policy of the engine-loop calls (docs/INTEGRATION.md).
 
-A caller's bad argument raises to the caller (``OverflowError``, ``TypeError``, ``ValueError``, checked before
-anything is planned or copied) and counts nothing. Any other exception inside a call (a failed launch, an engine
-callback that raised) is kvtier's failure: it is logged and counted, the request continues uncached, and after
-``max_errors`` of them the cache disables itself.
+Whose error it is decided by one exception class. A caller's mistake raises ``kvtier.BadArgument`` to the caller
+and counts nothing: a bad argument, checked before anything is planned or copied, and any exception the caller's
+own objects raise while kvtier reads them (``allocate()``, a block table whose ``__len__`` or ``__iter__`` raises),
+kept as the ``BadArgument``'s cause. Any other exception inside a call (a failed launch, an engine state callback
+that raised, a closed host pool) is kvtier's failure: it is logged and counted, the request continues uncached,
+and after ``max_errors`` of them the cache disables itself.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from kvtier._core import BadArgument
+
 log = logging.getLogger("kvtier")
 
 T = TypeVar("T")
-# What a caller's bad argument raises: re-raised to the caller, never counted towards max_errors.
-CALLER_ERRORS = (OverflowError, TypeError, ValueError)
 
 
 class Failures:
@@ -46,8 +48,8 @@ class Failures:
 
     def report(self, where: str, e: BaseException) -> None:
         """An adapter that must not raise into its engine caught ``e`` from the call ``where``: a caller's bad
-        argument is logged and counted in ``bad_arguments``, anything else is kvtier's failure."""
-        if isinstance(e, CALLER_ERRORS):
+        argument (``BadArgument``) is logged and counted in ``bad_arguments``, anything else is kvtier's failure."""
+        if isinstance(e, BadArgument):
             with self._lock:
                 self.bad_arguments += 1
             log.warning(
@@ -107,8 +109,8 @@ class Guarded(Protocol):
 
 def guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Runs a method of a ``Guarded`` object under the policy: ``default`` once it is closed (or closing) or
-    disabled; a caller's bad argument raises and counts nothing; any other error is counted, logged and answered
-    with ``default``, never raised."""
+    disabled; a caller's bad argument (``BadArgument``) raises and counts nothing; any other error is counted,
+    logged and answered with ``default``, never raised."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         where = fn.__name__.lstrip("_")
@@ -119,7 +121,7 @@ def guarded(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
                 return default
             try:
                 return fn(self, *args, **kwargs)
-            except CALLER_ERRORS:
+            except BadArgument:
                 raise
             except Exception as e:  # noqa: BLE001 - the policy: no cache failure reaches the engine
                 self.failures.failed(where, e)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier import IndexConfig
+from kvtier import BadArgument, IndexConfig
 from kvtier.copy import is_int, layer_views
 from kvtier.settings import CacheSettings, check_fits
 
@@ -48,40 +48,40 @@ class Geometry:
         state_bytes: int = 0,
     ) -> Geometry:
         """Checks the engine's pool and model against the settings (and this machine's memory); raises
-        TypeError / ValueError naming the bad value."""
+        ``BadArgument`` naming the bad value."""
         s = settings
         layers = [pages] if isinstance(pages, torch.Tensor) else list(pages)
         if not layers or not all(isinstance(t, torch.Tensor) for t in layers):
-            raise TypeError("pages must be a uint8 tensor or a non-empty list of uint8 tensors")
+            raise BadArgument("pages must be a uint8 tensor or a non-empty list of uint8 tensors")
         if any(t.dim() != 2 for t in layers):
             shapes = [tuple(t.shape) for t in layers]
-            raise ValueError(f"pages must be 2-D [num_blocks, bytes per block], got shapes {shapes}")
+            raise BadArgument(f"pages must be 2-D [num_blocks, bytes per block], got shapes {shapes}")
         page_bytes = sum(int(t.shape[1]) for t in layers)
         if page_layers is not None and len(layers) > 1 and page_layers != len(layers):
-            raise ValueError(
+            raise BadArgument(
                 f"page_layers={page_layers!r} differs from the {len(layers)} tensors of a layer-first pool"
             )
         parts = None if page_layers is None or len(layers) > 1 else layer_views(layers[0], page_layers)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= 2**31 - 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+            raise BadArgument(f"block_size must be a positive int, got {block_size!r}")
         page_slots = s.host_bytes // max(page_bytes, 1)
         if page_slots < 1:
-            raise ValueError(f"host_bytes {s.host_bytes} holds no page of {page_bytes} bytes")
+            raise BadArgument(f"host_bytes {s.host_bytes} holds no page of {page_bytes} bytes")
         if not is_int(state_bytes) or state_bytes < 0:
-            raise ValueError(f"state_bytes must be an int >= 0, got {state_bytes!r}")
+            raise BadArgument(f"state_bytes must be an int >= 0, got {state_bytes!r}")
         state_bytes, state_slots = int(state_bytes), s.state_slots
         if state_slots and state_bytes <= 0:
-            raise ValueError(f"state_slots={state_slots} needs state_bytes > 0, got {state_bytes}")
+            raise BadArgument(f"state_slots={state_slots} needs state_bytes > 0, got {state_bytes}")
         if state_bytes and not state_slots:
             # Without state slots a hit would restore pages but not the state the model needs.
-            raise ValueError(f"a model with state (state_bytes={state_bytes}) needs state_slots > 0")
+            raise BadArgument(f"a model with state (state_bytes={state_bytes}) needs state_slots > 0")
         # The pools, their bookkeeping and the L3 buffers must fit in this machine.
         check_fits(s, page_slots=page_slots, page_bytes=page_bytes, state_bytes=state_bytes)
         device = layers[0].device
         if state_slots and device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
             if s.staging_slots * state_bytes > free:
-                raise ValueError(
+                raise BadArgument(
                     f"setting staging_slots={s.staging_slots} needs {s.staging_slots * state_bytes} bytes of "
                     f"GPU memory ({state_bytes} per state); {device} has {free} bytes free"
                 )

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._core import DIGEST_PART_BYTES, part_digests
+from kvtier._core import DIGEST_PART_BYTES, BadArgument, part_digests
 
 # Engine settings that change the bytes of a page or a state besides the model's config and weights: the KV
 # cache's dtype and scales, the quantization, the positional encoding, the window. Each is read from the engine,
@@ -57,11 +57,11 @@ class Shard:
             rank, size = getattr(self, f"{dim}_rank"), getattr(self, f"{dim}_size")
             for name, v in ((f"{dim}_rank", rank), (f"{dim}_size", size)):
                 if not isinstance(v, int) or isinstance(v, bool):
-                    raise TypeError(f"Shard.{name} must be an int, got {v!r}")
+                    raise BadArgument(f"Shard.{name} must be an int, got {v!r}")
             if not 0 <= rank < size:
-                raise ValueError(f"Shard needs 0 <= {dim}_rank < {dim}_size, got {rank} and {size}")
+                raise BadArgument(f"Shard needs 0 <= {dim}_rank < {dim}_size, got {rank} and {size}")
         if not isinstance(self.kv_replicated, bool):
-            raise TypeError(f"Shard.kv_replicated must be a bool, got {self.kv_replicated!r}")
+            raise BadArgument(f"Shard.kv_replicated must be a bool, got {self.kv_replicated!r}")
 
     def fields(self) -> dict[str, str]:
         tp = "replicated" if self.kv_replicated else f"{self.tp_rank}/{self.tp_size}"

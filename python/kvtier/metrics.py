@@ -1,6 +1,6 @@
 """Prometheus metrics of a cache, read from ``stats()`` at each scrape (needs ``prometheus-client``).
 
-What is exported is the statistics table of the Rust core (``kvtier._core.stat_table()``, rust/stats.rs): every
+What is exported is the statistics table of the Rust core (``kvtier._core.stat_table()``, rust/index/stats.rs): every
 statistic a cache reports, with its kind (counter or gauge) and help. A statistic a cache does not report (the
 ``l3_*`` ones without L3) is not exported.
 """

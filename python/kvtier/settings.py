@@ -1,10 +1,12 @@
 """Cache settings: one registry (``REGISTRY``) from which the constructor arguments, the ``KVTIER_*`` variables,
-the README's table and ``kvtier info`` are made.
+the README's table, ``kvtier info`` and each adapter's settings (``for_scope``) are made.
 
 A setting's value comes from an argument (``None`` means "not given"), else from its environment variable (an
 empty variable counts as unset), else from its default. Arguments accept what the variables accept (``"64GiB"``,
-``"true"``, ``"16"``) as well as plain Python values. Any bad value raises ``ValueError`` naming the setting (and the
-variable it came from) at construction, never later. Adding a setting is one line in ``REGISTRY``.
+``"true"``, ``"16"``) as well as plain Python values. Any bad value raises ``kvtier.BadArgument`` (a ``ValueError``)
+naming the setting (and the variable it came from) at construction, never later. Each setting names the scopes
+that take it (``SCOPES``: the cache and each engine adapter); the choices of a setting the Rust core parses are the
+core's own lists. Adding a setting is one line in ``REGISTRY``.
 """
 
 from __future__ import annotations
@@ -14,16 +16,34 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from kvtier._core import EVICTION_POLICIES
+from kvtier._core import COPY_METHODS, EVICTION_POLICIES, HASH_KINDS, PIN_METHODS, BadArgument
 
 INT32_MAX = 2**31 - 1
+# The largest integer setting: every count and size crosses into the core as a 64-bit integer.
+INT64_MAX = 2**63 - 1
 
-# Kinds of value.
-BYTES, INT, FLOAT, BOOL, TEXT, SECRET = "bytes", "int", "float", "bool", "text", "secret"
+# Kinds of value. ADDRESS: a Mooncake master's "host:port".
+BYTES, INT, FLOAT, BOOL, TEXT, SECRET, ADDRESS = "bytes", "int", "float", "bool", "text", "secret", "address"
+
+# Who takes settings, each from its own configuration: the cache (``HostPrefixCache``'s arguments, which the
+# DeepInfer adapter ``kvtier.deepinfer.Cache`` passes through, and ``KVTIER_*``) takes every setting; the engine
+# adapters take those of the parts they run.
+CACHE, VLLM, VLLM_TIER, SGLANG = "cache", "vllm", "vllm_tier", "sglang"
+SCOPES: Mapping[str, str] = {
+    CACHE: "kvtier's cache (HostPrefixCache, kvtier.deepinfer.Cache)",
+    VLLM: "kvtier.vllm.KvtierSpec (vLLM's kv_connector_extra_config)",
+    VLLM_TIER: "kvtier.vllm.KvtierMooncakeTier (a secondary tier's config)",
+    SGLANG: "kvtier.sglang.KvtierStore (SGLang's HiCache extra config)",
+}
+# What every user of the L3 tier is told without a master (the tier needs one).
+L3_MASTER_MISSING = "setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)"
+_WITH_VLLM = frozenset({CACHE, VLLM})
+_WITH_L3_ADAPTERS = frozenset({CACHE, VLLM_TIER, SGLANG})
 
 _UNITS = {
     "": 1,
@@ -59,6 +79,9 @@ class Setting:
     choices: tuple[str, ...] = ()
     shown: str | None = None  # the default as the README and `kvtier info` show it
     env: str | None = None  # default: KVTIER_<NAME>
+    scopes: frozenset[str] = frozenset({CACHE})  # who takes it (SCOPES)
+    required_in: frozenset[str] = frozenset()  # the scopes that refuse to start without it
+    required_why: str = ""  # why they do (said in the error)
 
     @property
     def variable(self) -> str:
@@ -82,12 +105,14 @@ class Setting:
 
     def parse(self, value: Any) -> Any:
         """The value as this setting holds it; ``ValueError`` (without the setting's name) when it is bad."""
-        if self.kind == TEXT or self.kind == SECRET:
+        if self.kind in (TEXT, SECRET, ADDRESS):
             ok = (str, bytes) if self.kind == SECRET else (str,)
             if not isinstance(value, ok):
                 raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
             if self.choices and value not in self.choices:
                 raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
+            if self.kind == ADDRESS and not (isinstance(value, str) and is_address(value)):
+                raise ValueError(f"must be 'host:port' (a port from 1 to 65535), got {value!r}")
             return value
         if self.kind == BOOL:
             if isinstance(value, (bool, np.bool_)):
@@ -97,9 +122,10 @@ class Setting:
             raise ValueError(f"must be a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
         number = self._number(value)
         if self.minimum is not None and number < self.minimum:
-            raise ValueError(f"must be >= {_num(self.minimum)}, got {_num(number)}")
-        if self.maximum is not None and number > self.maximum:
-            raise ValueError(f"must be <= {_num(self.maximum)}, got {_num(number)}")
+            raise ValueError(f"must be >= {_num(self.minimum)}, got {_shown(number)}")
+        maximum = self.maximum if self.maximum is not None or self.kind == FLOAT else INT64_MAX
+        if maximum is not None and number > maximum:
+            raise ValueError(f"must be <= {_num(maximum)}, got {_shown(number)}")
         return number
 
     def _number(self, value: Any) -> int | float:
@@ -111,9 +137,14 @@ class Setting:
                     value = float(value)
                 except ValueError:
                     raise ValueError(f"not a number: {value!r}") from None
-            if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
-                raise ValueError(f"must be a finite number, got {value!r}")
-            return float(value)
+            if isinstance(value, (int, float, np.integer, np.floating)):
+                try:
+                    number = float(value)
+                except OverflowError:  # an int beyond any float
+                    number = math.inf
+                if math.isfinite(number):
+                    return number
+            raise ValueError(f"must be a finite number, got {_shown(value)}")
         if isinstance(value, (int, np.integer)):
             return int(value)
         if isinstance(value, float) and value.is_integer():
@@ -124,19 +155,34 @@ class Setting:
             if _INT.match(value):
                 return int(value)
         what = "a size in bytes (an int or text such as '64GiB')" if self.kind == BYTES else "an integer"
-        raise ValueError(f"must be {what}, got {value!r}")
+        raise ValueError(f"must be {what}, got {_shown(value)}")
 
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+def _shown(value: Any) -> str:
+    """A value in an error message; a long one by its start and length (the message stays one line)."""
+    if isinstance(value, int) and abs(value) >= 10**40:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return f"{text[:24]}... ({len(text)} characters)" if len(text) > 60 else text
+
+
 def parse_bytes(text: str) -> int:
-    """``123``, ``64MiB``, ``1.5GiB``, ``2GB``, ``16m`` (no exponents, no negative sizes)."""
+    """``123``, ``64MiB``, ``1.5GiB``, ``2GB``, ``16m`` (no exponents, no negative sizes), exactly: as many digits
+    as given (the setting's bounds refuse sizes too large)."""
     m = _SIZE.match(text.lower())
     if m is None or m.group(2) not in _UNITS:
-        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4096, 512MiB, 64GiB)")
-    return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2)])
+        raise ValueError(f"not a size in bytes: {_shown(text)} (e.g. 4096, 512MiB, 64GiB)")
+    return int(Fraction(m.group(1).replace("_", "")) * _UNITS[m.group(2)])
+
+
+def is_address(text: str) -> bool:
+    """Whether ``text`` is ``host:port`` with a port from 1 to 65535."""
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536)
 
 
 def format_bytes(n: int) -> str:
@@ -148,7 +194,7 @@ def format_bytes(n: int) -> str:
 
 S = Setting
 REGISTRY: tuple[Setting, ...] = (
-    S("host_bytes", BYTES, 4 << 30, "host page pool (`64GiB`, `512MiB` ... accepted)", minimum=1),
+    S("host_bytes", BYTES, 4 << 30, "host page pool (`64GiB`, `512MiB` ... accepted)", minimum=1, scopes=_WITH_VLLM),
     S("state_slots", INT, 0, "host state slots (required > 0 for models with state)", minimum=0, maximum=INT32_MAX),
     S(
         "keep_tokens",
@@ -182,15 +228,23 @@ REGISTRY: tuple[Setting, ...] = (
         TEXT,
         "blake3",
         "`blake3` (keyed, cryptographic) or `xxh3` (faster; collisions can be crafted: single tenant only)",
-        choices=("blake3", "xxh3"),
+        choices=tuple(HASH_KINDS),
     ),
-    S("hash_key", SECRET, None, "per-deployment secret key of the block hash", shown="public default"),
+    S(
+        "hash_key",
+        SECRET,
+        None,
+        "per-deployment secret key of the block hash",
+        shown="public default",
+        scopes=_WITH_L3_ADAPTERS,
+    ),
     S(
         "eviction_policy",
         TEXT,
         "lru",
         "`lru`, or `adaptive`: scan-resistant, keeps pages used twice over one-off prompts (docs/EVICTION.md)",
         choices=tuple(EVICTION_POLICIES),
+        scopes=_WITH_VLLM,
     ),
     S(
         "event_buffer",
@@ -199,6 +253,7 @@ REGISTRY: tuple[Setting, ...] = (
         "KV events kept for `take_events()`; the oldest are dropped beyond it (`events_dropped`); 0: none recorded",
         minimum=0,
         maximum=INT32_MAX,
+        scopes=_WITH_VLLM,
     ),
     S("staging_slots", INT, 16, "GPU staging buffers for state copies", minimum=1, maximum=4096),
     S(
@@ -215,7 +270,7 @@ REGISTRY: tuple[Setting, ...] = (
         "`driver`: host memory made by the CUDA driver, step by step into one range; `register`: the process's pages "
         "registered with CUDA a step at a time (copies cut at steps; each registration holds up the engine's "
         "launches); `auto`: `driver` where the driver can",
-        choices=("auto", "driver", "register"),
+        choices=tuple(PIN_METHODS),
     ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
@@ -226,12 +281,23 @@ REGISTRY: tuple[Setting, ...] = (
         None,
         "the model's revision (a checkpoint hash or commit the deployment vouches for): every key is derived under "
         "it; without it the adapter digests every weight byte",
+        scopes=_WITH_L3_ADAPTERS,
+        required_in=frozenset({VLLM_TIER, SGLANG}),
+        required_why="a revision of the model the deployment vouches for: the engine's model name says where the "
+        "weights came from, not what they are",
     ),
-    S("l3_master", TEXT, None, "Mooncake master `host:port`"),
-    S("l3_metadata_server", TEXT, "P2PHANDSHAKE", "Mooncake metadata server"),
-    S("l3_protocol", TEXT, "tcp", "Mooncake transfer protocol", choices=("tcp", "rdma")),
-    S("l3_segment_bytes", BYTES, 0, "host bytes this instance contributes to the Store (0: none)", minimum=0),
-    S("l3_buffer_bytes", BYTES, 64 << 20, "Mooncake's local transfer buffer", minimum=0),
+    S("l3_master", ADDRESS, None, "Mooncake master `host:port`", scopes=_WITH_L3_ADAPTERS),
+    S("l3_metadata_server", TEXT, "P2PHANDSHAKE", "Mooncake metadata server", scopes=_WITH_L3_ADAPTERS),
+    S("l3_protocol", TEXT, "tcp", "Mooncake transfer protocol", choices=("tcp", "rdma"), scopes=_WITH_L3_ADAPTERS),
+    S(
+        "l3_segment_bytes",
+        BYTES,
+        0,
+        "host bytes this instance contributes to the Store (0: none)",
+        minimum=0,
+        scopes=_WITH_L3_ADAPTERS,
+    ),
+    S("l3_buffer_bytes", BYTES, 64 << 20, "Mooncake's local transfer buffer", minimum=0, scopes=_WITH_L3_ADAPTERS),
     S("l3_group_pages", INT, 4, "pages per L3 object", minimum=1, maximum=4096),
     S("l3_deadline_ms", FLOAT, 50.0, "how long a request waits for an L3 fetch", minimum=0),
     S("l3_seen_keys", INT, 1 << 20, "L3 keys remembered as already in the Store", minimum=1, maximum=INT32_MAX),
@@ -240,6 +306,7 @@ REGISTRY: tuple[Setting, ...] = (
         TEXT,
         "127.0.0.1",
         "address this instance's Mooncake transfer engine is reached at and binds to",
+        scopes=_WITH_L3_ADAPTERS,
     ),
     S(
         "l3_zero_copy",
@@ -247,6 +314,7 @@ REGISTRY: tuple[Setting, ...] = (
         False,
         "register the host pools with Mooncake and move objects straight from and into them (trusted Mooncake "
         "network only: any transfer-engine peer can write registered memory)",
+        scopes=frozenset({CACHE, SGLANG}),
     ),
     S(
         "l3_staging_bytes",
@@ -254,6 +322,7 @@ REGISTRY: tuple[Setting, ...] = (
         128 << 20,
         "each of the two registered staging buffers L3 objects move through when not zero-copy",
         minimum=1,
+        scopes=_WITH_L3_ADAPTERS,
     ),
     S(
         "l3_trusted_store",
@@ -261,15 +330,24 @@ REGISTRY: tuple[Setting, ...] = (
         False,
         "everyone who can write to the Store is trusted: allows L3 with the public default hash_key, under which "
         "objects can be forged",
+        scopes=_WITH_L3_ADAPTERS,
     ),
     S(
         "copy_method",
         TEXT,
         "auto",
         "`auto`: the copy engine for pieces >= copy_crossover_bytes, the kernel below; `kernel`; `dma`",
-        choices=("auto", "kernel", "dma"),
+        choices=tuple(COPY_METHODS),
+        scopes=_WITH_VLLM,
     ),
-    S("copy_crossover_bytes", BYTES, 64 << 10, "piece size from which `auto` takes the copy engine", minimum=16),
+    S(
+        "copy_crossover_bytes",
+        BYTES,
+        64 << 10,
+        "piece size from which `auto` takes the copy engine",
+        minimum=16,
+        scopes=_WITH_VLLM,
+    ),
     S(
         "copy_ctas",
         INT,
@@ -277,8 +355,15 @@ REGISTRY: tuple[Setting, ...] = (
         "CUDA thread blocks the copy kernel uses at most (fewer leave more SMs to the model)",
         minimum=1,
         maximum=65535,
+        scopes=_WITH_VLLM,
     ),
-    S("copy_streams", BOOL, True, "copies on kvtier's own streams ordered by events; false: on the engine's stream"),
+    S(
+        "copy_streams",
+        BOOL,
+        True,
+        "copies on kvtier's own streams ordered by events; false: on the engine's stream",
+        scopes=_WITH_VLLM,
+    ),
     S("layerwise_loads", BOOL, False, "loads issued layer by layer; the engine calls `wait_layer(l)` before layer l"),
 )
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in REGISTRY}
@@ -303,7 +388,7 @@ class CacheSettings:
     def _init(self, arguments: dict[str, Any], env: Mapping[str, str]) -> None:
         unknown = set(arguments) - set(SETTINGS)
         if unknown:
-            raise TypeError(f"unknown cache settings: {sorted(unknown)} (known: {', '.join(SETTINGS)})")
+            raise BadArgument(f"unknown cache settings: {sorted(unknown)} (known: {', '.join(SETTINGS)})")
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for s in REGISTRY:
@@ -317,18 +402,18 @@ class CacheSettings:
             try:
                 values[s.name] = s.parse(value)
             except ValueError as e:
-                raise ValueError(f"bad setting {s.name}: {e}") from None
+                raise BadArgument(f"bad setting {s.name}: {e}") from None
             sources[s.name] = "argument"
         if values["l3"] == "mooncake" and not values["l3_master"]:
-            raise ValueError("setting l3='mooncake' needs l3_master (KVTIER_L3_MASTER=host:port)")
+            raise BadArgument(L3_MASTER_MISSING)
         if values["l3"] == "mooncake" and values["hash_key"] is None and not values["l3_trusted_store"]:
-            raise ValueError(
+            raise BadArgument(
                 "setting l3='mooncake' with the public default hash_key: anyone who can write to the Store could "
                 "forge objects this cache accepts. Set hash_key (KVTIER_HASH_KEY) to a secret of the deployment, "
                 "or l3_trusted_store=true (KVTIER_L3_TRUSTED_STORE) if everyone who can write to the Store is trusted"
             )
         if values["model_version"] == "":
-            raise ValueError("setting model_version must not be empty (leave it unset instead)")
+            raise BadArgument("setting model_version must not be empty (leave it unset instead)")
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "sources", sources)
 
@@ -369,7 +454,7 @@ class CacheSettings:
 
 def from_environment(name: str, env: Mapping[str, str] | None = None) -> tuple[Any, str]:
     """Setting ``name``'s value from its variable alone, and where it came from (``"env"``, or ``"default"`` when the
-    variable is unset or empty); ``ValueError`` naming the setting and the variable when the variable's value is
+    variable is unset or empty); ``BadArgument`` naming the setting and the variable when the variable's value is
     bad."""
     return _from_env(SETTINGS[name], os.environ if env is None else env)
 
@@ -381,7 +466,35 @@ def _from_env(s: Setting, env: Mapping[str, str]) -> tuple[Any, str]:
     try:
         return s.parse(text), "env"
     except ValueError as e:
-        raise ValueError(f"bad setting {s.name} (from {s.variable}={text!r}): {e}") from None
+        raise BadArgument(f"bad setting {s.name} (from {s.variable}={_shown(text)}): {e}") from None
+
+
+def scope_names(scope: str) -> tuple[str, ...]:
+    """The settings ``scope`` takes (``SCOPES``), in registry order."""
+    if scope not in SCOPES:
+        raise BadArgument(f"scope must be one of {', '.join(map(repr, SCOPES))}, got {scope!r}")
+    return tuple(s.name for s in REGISTRY if scope in s.scopes)
+
+
+def for_scope(
+    scope: str, config: Mapping[str, Any], env: Mapping[str, str] | None = None, **fixed: Any
+) -> CacheSettings:
+    """The settings of one adapter (``scope``, see ``SCOPES``): ``config`` may give only settings the scope takes
+    (any other key is refused, naming those it takes); the ``KVTIER_*`` variables of those settings fill in what
+    it leaves out, every other setting keeps its default (a variable for another part of kvtier changes nothing
+    here); ``fixed`` are the adapter's own choices (e.g. ``l3="mooncake"``). A setting the scope requires that is
+    still unset is refused, saying why it is required."""
+    names = scope_names(scope)
+    unknown = sorted(set(config) - set(names))
+    if unknown:
+        raise BadArgument(f"config keys {unknown} are not settings of {SCOPES[scope]} (it takes {', '.join(names)})")
+    env = os.environ if env is None else env
+    variables = {SETTINGS[n].variable: env[SETTINGS[n].variable] for n in names if SETTINGS[n].variable in env}
+    settings = CacheSettings.resolve(variables, **config, **fixed)
+    for s in REGISTRY:
+        if scope in s.required_in and getattr(settings, s.name) is None:
+            raise BadArgument(f"{SCOPES[scope]} needs {s.name} (or {s.variable}): {s.required_why}")
+    return settings
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> tuple[list[tuple[str, str, str, str]], list[str]]:
@@ -405,9 +518,10 @@ def read_environment(env: Mapping[str, str] | None = None) -> tuple[list[tuple[s
 
 def markdown_table() -> str:
     """The README's settings table, made from the registry (a test keeps README.md equal to it)."""
-    rows = ["| setting | variable | default | meaning |", "| --- | --- | --- | --- |"]
+    rows = ["| setting | variable | default | taken by | meaning |", "| --- | --- | --- | --- | --- |"]
     for s in REGISTRY:
-        rows.append(f"| {s.name} | {s.variable} | {s.default_text} | {s.help} |")
+        scopes = ", ".join(scope for scope in SCOPES if scope in s.scopes)
+        rows.append(f"| {s.name} | {s.variable} | {s.default_text} | {scopes} | {s.help} |")
     return "\n".join(rows)
 
 
@@ -437,10 +551,10 @@ GHOST_BYTES_PER_SLOT = 200
 def check_fits(
     settings: CacheSettings, *, page_slots: int, page_bytes: int, state_bytes: int, memory: int | None = None
 ) -> None:
-    """Raises ``ValueError`` naming the setting when the host pools, their bookkeeping and the L3 buffers cannot
+    """Raises ``BadArgument`` naming the setting when the host pools, their bookkeeping and the L3 buffers cannot
     fit in this machine's memory: checked before anything is allocated, so no setting aborts the process."""
     if page_slots > INT32_MAX:
-        raise ValueError(
+        raise BadArgument(
             f"setting host_bytes={settings.host_bytes} makes {page_slots} page slots of {page_bytes} "
             f"bytes; at most {INT32_MAX} are supported"
         )
@@ -458,14 +572,14 @@ def check_fits(
         l3 += settings.l3_seen_keys * BOOKKEEPING_BYTES_PER_SLOT
     have = f"this machine has {format_bytes(memory)} ({memory} bytes) of memory"
     if pages > memory:
-        raise ValueError(f"setting host_bytes={settings.host_bytes} needs {pages} bytes with its bookkeeping; {have}")
+        raise BadArgument(f"setting host_bytes={settings.host_bytes} needs {pages} bytes with its bookkeeping; {have}")
     if pages + states > memory:
-        raise ValueError(
+        raise BadArgument(
             f"setting state_slots={state_slots} needs {states} bytes ({state_bytes} per state with its "
             f"bookkeeping) beside host_bytes={settings.host_bytes}; {have}"
         )
     if pages + states + l3 > memory:
-        raise ValueError(
+        raise BadArgument(
             f"settings l3_segment_bytes, l3_buffer_bytes, l3_group_pages, l3_staging_bytes and l3_seen_keys need "
             f"{l3} bytes beside the host pools; {have}"
         )

@@ -9,7 +9,7 @@ SGLang keeps its own host pool and radix tree; this is its L3 backend, loaded by
 Every other key of the extra config is a kvtier setting (``docs/SGLANG.md`` lists those it reads); the
 ``KVTIER_*`` environment variables are read for the ones the JSON leaves out.
 
-Objects are kvtier's verified L3 objects (rust/l3.rs): one per SGLang page, a header (format, fingerprint digest,
+Objects are kvtier's verified L3 objects (rust/l3/mod.rs): one per SGLang page, a header (format, fingerprint digest,
 the page's chain key, payload length, digest of all of it) before the page's bytes in the order of the host pool's
 ``get_page_buffer_meta``. The chain key is SGLang's page hash mapped to 128 bits (BLAKE3 key derivation); the Store
 key ``kvtier/v<format>/<fingerprint>/g1/<key>`` carries the fingerprint, which covers the model (SGLang's model
@@ -61,11 +61,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier._core import L3_HEADER_BYTES, ObjectFormat, ObjectPath, Outcome, fingerprint
+from kvtier._core import L3_HEADER_BYTES, BadArgument, ObjectFormat, ObjectPath, Outcome, fingerprint
 from kvtier.identity import Shard, layout_fields
 from kvtier.l3.errors import L3Error
 from kvtier.l3.store import MooncakeStore, Store, StoreConfig
-from kvtier.settings import CacheSettings
+from kvtier.settings import SGLANG, CacheSettings, for_scope, scope_names
 
 log = logging.getLogger("kvtier.sglang")
 
@@ -82,42 +82,17 @@ SGLANG_KEYS = frozenset(
         "tp_lcm_size",
     }
 )
-# The kvtier settings this backend reads (the others are the host cache's and have no meaning here).
-SETTINGS_READ = (
-    "hash_key",
-    "model_version",
-    "l3_master",
-    "l3_metadata_server",
-    "l3_protocol",
-    "l3_local_hostname",
-    "l3_segment_bytes",
-    "l3_buffer_bytes",
-    "l3_zero_copy",
-    "l3_staging_bytes",
-    "l3_trusted_store",
-)
+# The kvtier settings this backend reads (kvtier.settings' registry, scope "sglang"; the others are the host
+# cache's and have no meaning here).
+SETTINGS_READ = scope_names(SGLANG)
 
 Pieces = list[list[tuple[int, int]]]
 
 
 def settings_of(extra_config: Mapping[str, Any] | None) -> CacheSettings:
     """The kvtier settings of a HiCache extra config (SGLang's own keys left out; ``KVTIER_*`` variables for what
-    it leaves out). Raises for a key that is neither, and without ``model_version``."""
-    values = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
-    unknown = sorted(set(values) - set(SETTINGS_READ))
-    if unknown:
-        raise ValueError(
-            f"extra config keys {unknown} are neither SGLang's nor settings of kvtier's SGLang backend "
-            f"(it reads {', '.join(SETTINGS_READ)})"
-        )
-    settings = CacheSettings.resolve(l3="mooncake", **values)
-    if settings.model_version is None:
-        raise ValueError(
-            "kvtier's SGLang backend needs model_version (in the extra config or KVTIER_MODEL_VERSION): a revision "
-            "of the model the deployment vouches for; SGLang's model name says where the weights came from, not "
-            "what they are"
-        )
-    return settings
+    it leaves out). kvtier's settings refuse a key that is neither, and a missing ``model_version``."""
+    return for_scope(SGLANG, {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}, l3="mooncake")
 
 
 def storage_identity(
@@ -128,9 +103,9 @@ def storage_identity(
     the pool (``PoolName``): the KV pool's fields are those of the ``_v1`` calls; another pool's add its name and the
     bytes of each page piece."""
     if config.should_split_heads:
-        raise ValueError("kvtier's SGLang backend does not split heads across TP sizes (tp_lcm_size); unset it")
+        raise BadArgument("kvtier's SGLang backend does not split heads across TP sizes (tp_lcm_size); unset it")
     if config.dcp_size > 1:
-        raise ValueError(
+        raise BadArgument(
             f"kvtier's SGLang backend does not support decode context parallelism, dcp_size={config.dcp_size}"
         )
     _, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size))
@@ -174,7 +149,7 @@ def pool_name_of(name: Any) -> str:
     """SGLang's pool name (a ``PoolName`` or its value) as a plain string."""
     value = name.value if isinstance(name, Enum) else name
     if not isinstance(value, str) or not value:
-        raise ValueError(f"a pool name must be a PoolName or a non-empty string, got {name!r}")
+        raise BadArgument(f"a pool name must be a PoolName or a non-empty string, got {name!r}")
     return value
 
 
@@ -184,7 +159,7 @@ def pool_buffers(pool: Any) -> list[torch.Tensor]:
     buffers = get() if get is not None else [getattr(pool, "kv_buffer", None)]
     out = [b for b in buffers if b is not None and (not isinstance(b, torch.Tensor) or b.numel() > 0)]
     if not out or any(not isinstance(b, torch.Tensor) or b.device.type != "cpu" for b in out):
-        raise ValueError(f"kvtier's SGLang backend needs a host pool of CPU tensors, got {type(pool).__name__}")
+        raise BadArgument(f"kvtier's SGLang backend needs a host pool of CPU tensors, got {type(pool).__name__}")
     return out
 
 
@@ -214,7 +189,7 @@ def _hit_policy(transfer: PoolTransfer) -> PoolHitPolicy:
     except ValueError:
         policy = None
     if policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
-        raise ValueError(
+        raise BadArgument(
             f"hit policy {transfer.hit_policy!r} of pool {transfer.name!r} is not supported (all_pages, trailing_pages)"
         )
     return policy
@@ -231,29 +206,29 @@ class RegisteredPool:
 
 def _check_keys(keys: Sequence[str]) -> None:
     if not isinstance(keys, (list, tuple)):
-        raise TypeError(f"keys must be a list of page hashes, got {type(keys).__name__}")
+        raise BadArgument(f"keys must be a list of page hashes, got {type(keys).__name__}")
     for i, key in enumerate(keys):
         if not isinstance(key, str) or not key:
-            raise ValueError(f"keys[{i}] must be a non-empty page hash string, got {key!r}")
+            raise BadArgument(f"keys[{i}] must be a non-empty page hash string, got {key!r}")
 
 
 def _tensor_pieces(values: Sequence[Any], what: str) -> Pieces:
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, torch.Tensor) or v.device.type != "cpu" or not v.is_contiguous() or v.numel() == 0:
-            raise ValueError(f"{what}[{i}] must be a non-empty contiguous CPU tensor, got {v!r:.80}")
+            raise BadArgument(f"{what}[{i}] must be a non-empty contiguous CPU tensor, got {v!r:.80}")
         out.append([(v.data_ptr(), v.numel() * v.element_size())])
     return out
 
 
 def _pointer_pieces(locations: Sequence[Any], sizes: Sequence[Any] | None, what: str) -> Pieces:
     if sizes is None or len(sizes) != len(locations):
-        raise ValueError(f"{what}: need one size per location, got {locations!r:.80} and {sizes!r:.80}")
+        raise BadArgument(f"{what}: need one size per location, got {locations!r:.80} and {sizes!r:.80}")
     out = []
     for i, (p, n) in enumerate(zip(locations, sizes, strict=True)):
         ptrs, lens = (p, n) if isinstance(p, (list, tuple)) else ([p], [n])
         if len(ptrs) != len(lens) or not all(isinstance(x, int) and x > 0 for x in (*ptrs, *lens)):
-            raise ValueError(f"{what}[{i}]: need positive int addresses and sizes, got {p!r} and {n!r}")
+            raise BadArgument(f"{what}[{i}]: need positive int addresses and sizes, got {p!r} and {n!r}")
         out.append(list(zip(ptrs, lens, strict=True)))
     return out
 
@@ -274,14 +249,14 @@ class KvtierStore(HiCacheStorage):
         store_factory: Callable[[StoreConfig], Store] | None = None,
     ) -> None:
         if not isinstance(storage_config, HiCacheStorageConfig):
-            raise TypeError(f"storage_config must be a HiCacheStorageConfig, got {type(storage_config).__name__}")
+            raise BadArgument(f"storage_config must be a HiCacheStorageConfig, got {type(storage_config).__name__}")
         self.storage_config = storage_config
         self.settings = settings_of(storage_config.extra_config)
         s = self.settings
         self.zero_copy = bool(s.l3_zero_copy)
         # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
         self._pools: dict[str, RegisteredPool] = {}
-        # The object paths (rust/l3path.rs): staged, through two staging buffers of their own, the only memory
+        # The object paths (rust/l3/path.rs): staged, through two staging buffers of their own, the only memory
         # registered; zero-copy straight from and into the registered host pools. Each made and registered when
         # first needed (zero-copy, the staged one only if a deprecated call comes); the lock orders that.
         self._lock = threading.Lock()
@@ -316,11 +291,11 @@ class KvtierStore(HiCacheStorage):
         bytes) and, zero-copy, its memory is registered with the Store."""
         kv = getattr(mem_pool_host, "kv_buffer", None)
         if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
-            raise ValueError(
+            raise BadArgument(
                 f"kvtier's SGLang backend needs a host pool with a CPU kv_buffer, got {type(mem_pool_host).__name__}"
             )
         if PoolName.KV.value in self._pools:
-            raise ValueError("kvtier's SGLang backend has a KV host pool already")
+            raise BadArgument("kvtier's SGLang backend has a KV host pool already")
         self._add_pool(PoolName.KV.value, mem_pool_host, [kv])
         super().register_mem_pool_host(mem_pool_host)
 
@@ -333,10 +308,10 @@ class KvtierStore(HiCacheStorage):
             if kv is None:
                 self.register_mem_pool_host(host_pool)
             elif host_pool is not kv.pool:
-                raise ValueError("the KV pool of register_mem_host_pool_v2 is not the one register_mem_pool_host took")
+                raise BadArgument("the KV pool of register_mem_host_pool_v2 is not the one register_mem_pool_host took")
             return
         if name in self._pools:
-            raise ValueError(f"host pool {name!r} is registered already")
+            raise BadArgument(f"host pool {name!r} is registered already")
         self._add_pool(name, host_pool, pool_buffers(host_pool))
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -344,7 +319,7 @@ class KvtierStore(HiCacheStorage):
         fields = storage_identity(self.storage_config, pool, self.settings.model_version, name)
         largest = L3_HEADER_BYTES + int(fields["page_bytes"])
         if largest > self.settings.l3_staging_bytes:
-            raise ValueError(
+            raise BadArgument(
                 f"l3_staging_bytes must hold one page object of host pool {name!r} ({largest} bytes), got "
                 f"{self.settings.l3_staging_bytes}"
             )
@@ -368,7 +343,7 @@ class KvtierStore(HiCacheStorage):
         if pool is None:
             if key == PoolName.KV.value:
                 raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
-            raise ValueError(
+            raise BadArgument(
                 f"host pool {key!r} is not registered (register_mem_host_pool_v2); have {list(self._pools)}"
             )
         return pool
@@ -401,9 +376,9 @@ class KvtierStore(HiCacheStorage):
             or host_indices.dtype.is_complex
             or host_indices.dtype == torch.bool
         ):
-            raise TypeError(f"host_indices must be a 1-D tensor of integers, got {host_indices!r:.80}")
+            raise BadArgument(f"host_indices must be a 1-D tensor of integers, got {host_indices!r:.80}")
         if host_indices.numel() != len(keys) * host.page_size:
-            raise ValueError(
+            raise BadArgument(
                 f"host_indices must hold {len(keys)} pages of {host.page_size} tokens, got {host_indices.numel()}"
             )
         if len(keys) == 0:
@@ -411,13 +386,13 @@ class KvtierStore(HiCacheStorage):
         lo, hi = int(host_indices.min()), int(host_indices.max())
         size = getattr(host, "size", None)
         if lo < 0 or (size is not None and hi >= size):
-            raise ValueError(f"host_indices must lie in [0, {size}), got {lo}..{hi}")
+            raise BadArgument(f"host_indices must lie in [0, {size}), got {lo}..{hi}")
         ptrs, sizes = host.get_page_buffer_meta(host_indices)
         per = len(ptrs) // len(keys)
         if per * len(keys) != len(ptrs) or len(sizes) != len(ptrs):
-            raise ValueError(f"the host pool gave {len(ptrs)} pieces for {len(keys)} pages")
+            raise BadArgument(f"the host pool gave {len(ptrs)} pieces for {len(keys)} pages")
         if not _inside(pool.ranges, ptrs, sizes):
-            raise ValueError("the host pool gave page pieces outside its buffers")
+            raise BadArgument("the host pool gave page pieces outside its buffers")
         return [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
 
     # Moving objects: the one object path does it all; a Store failure is an outcome, never an exception
@@ -552,7 +527,7 @@ class KvtierStore(HiCacheStorage):
         were found and verified."""
         _check_keys(keys)
         if target_locations is None or len(target_locations) != len(keys):
-            raise ValueError(f"need one target location per key, got {target_locations!r:.80}")
+            raise BadArgument(f"need one target location per key, got {target_locations!r:.80}")
         if all(isinstance(t, torch.Tensor) for t in target_locations):
             ok = self._get(self._fmt(), keys, _tensor_pieces(target_locations, "target_locations"), staged=True)
             return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
@@ -576,9 +551,9 @@ class KvtierStore(HiCacheStorage):
         elif target_locations is not None:
             pieces = _pointer_pieces(target_locations, target_sizes, "target_locations")
         else:
-            raise ValueError("batch_set needs values or target_locations")
+            raise BadArgument("batch_set needs values or target_locations")
         if len(pieces) != len(keys):
-            raise ValueError(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
+            raise BadArgument(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
         return bool(keys) and all(self._put(self._fmt(), keys, pieces, staged=True))
 
     # Statistics and shutdown

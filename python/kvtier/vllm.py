@@ -21,9 +21,10 @@ connector passes between them, the chunk ids in the load/store specs. So:
   current stream by events; completions come back through ``get_finished``. On CPU tensors copies are memcpy and
   complete at once.
 
-The extra config (or the ``KVTIER_*`` variables) may give these kvtier settings: ``host_bytes``,
-``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``, ``copy_ctas``, ``copy_streams``.
-Any bad value raises ``ValueError`` naming it when vLLM builds the spec.
+The extra config (or the ``KVTIER_*`` variables) may give the kvtier settings of scope ``vllm`` in
+``kvtier.settings``: ``host_bytes``, ``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``,
+``copy_ctas``, ``copy_streams``. Any bad value raises ``kvtier.BadArgument`` (a ``ValueError``) naming it when vLLM builds the
+spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
@@ -82,8 +83,8 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 # isort: on
-from kvtier._core import Index, IndexConfig
-from kvtier.settings import CacheSettings
+from kvtier._core import BadArgument, Index, IndexConfig
+from kvtier.settings import VLLM, CacheSettings, for_scope, scope_names
 from kvtier.vllm_copy import ChunkCopier
 
 __all__ = [
@@ -96,16 +97,9 @@ __all__ = [
     "resolve_settings",
 ]
 
-# The kvtier settings the extra config may carry (the others are the engine's or vLLM's own keys).
-SETTING_KEYS = (
-    "host_bytes",
-    "eviction_policy",
-    "event_buffer",
-    "copy_method",
-    "copy_crossover_bytes",
-    "copy_ctas",
-    "copy_streams",
-)
+# The kvtier settings the extra config may carry (kvtier.settings' registry, scope "vllm"); its other keys are the
+# engine's or vLLM's own.
+SETTING_KEYS = scope_names(VLLM)
 # Lookup answers, bound once (an Enum member read through its class costs more than the rest of a lookup).
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 # Index.key_state's answers for a key with no page on the host and one whose page is ready.
@@ -128,17 +122,17 @@ def resolve_settings(extra_config: Mapping[str, Any], env: Mapping[str, str] | N
     """kvtier's settings from vLLM's kv_connector_extra_config (then ``KVTIER_*``, then defaults). vLLM's
     ``cpu_bytes_to_use`` (what ``--kv-offloading-size`` sets) is the host size unless ``host_bytes`` is given."""
     if not isinstance(extra_config, Mapping):
-        raise TypeError(f"kv_connector_extra_config must be a mapping, got {type(extra_config).__name__}")
+        raise BadArgument(f"kv_connector_extra_config must be a mapping, got {type(extra_config).__name__}")
     arguments = {k: extra_config[k] for k in SETTING_KEYS if extra_config.get(k) is not None}
     cpu_bytes = extra_config.get("cpu_bytes_to_use")
     if "host_bytes" not in arguments and cpu_bytes is not None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
-            raise ValueError(f"cpu_bytes_to_use must be a number of bytes, got {cpu_bytes!r}")
+            raise BadArgument(f"cpu_bytes_to_use must be a number of bytes, got {cpu_bytes!r}")
         arguments["host_bytes"] = int(cpu_bytes) if isinstance(cpu_bytes, float) else cpu_bytes
-    settings = CacheSettings.resolve(env, **arguments)
+    settings = for_scope(VLLM, arguments, env)
     worker = {"copy_method": WORKER_COPY_METHOD, "copy_ctas": WORKER_COPY_CTAS}
     defaults = {k: v for k, v in worker.items() if settings.sources[k] == "default"}
-    return CacheSettings.resolve(env, **arguments, **defaults) if defaults else settings
+    return for_scope(VLLM, {**arguments, **defaults}, env) if defaults else settings
 
 
 def _key_name(key: bytes) -> str:
@@ -178,9 +172,9 @@ class KvtierManager(OffloadingManager):
         info: Any = None,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+            raise BadArgument(f"num_slots must be a positive int, got {num_slots!r}")
         if isinstance(tokens_per_slot, bool) or not isinstance(tokens_per_slot, int) or tokens_per_slot < 1:
-            raise ValueError(f"tokens_per_slot must be a positive int, got {tokens_per_slot!r}")
+            raise BadArgument(f"tokens_per_slot must be a positive int, got {tokens_per_slot!r}")
         self.num_slots = num_slots
         self.enable_events = bool(enable_events)
         if self.enable_events and event_buffer == 0:
@@ -239,7 +233,7 @@ class KvtierManager(OffloadingManager):
         for key in keys:
             queue = self._load_tickets.get(key)
             if not queue:
-                raise ValueError(f"complete_load: key {_key_name(key)} has no load in flight")
+                raise BadArgument(f"complete_load: key {_key_name(key)} has no load in flight")
             t = queue.popleft()
             if not queue:
                 del self._load_tickets[key]
@@ -383,7 +377,7 @@ class KvtierWorker(OffloadingWorker):
         copy_streams: bool = True,
     ) -> None:
         if not isinstance(kv_caches, CanonicalKVCaches):
-            raise TypeError(f"kv_caches must be vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}")
+            raise BadArgument(f"kv_caches must be vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}")
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         self.copier = ChunkCopier(
@@ -404,7 +398,7 @@ class KvtierWorker(OffloadingWorker):
         ptrs = np.asarray(device_ptrs.ptrs, dtype=np.uint64)
         counts, refs = list(device_ptrs.group_block_counts), list(device_ptrs.group_data_ref_counts)
         if len(counts) != len(self._group_tensors) or len(refs) != len(self._group_tensors):
-            raise ValueError(
+            raise BadArgument(
                 f"the device pointers have {len(counts)} KV groups, the KV caches {len(self._group_tensors)}"
             )
         out, at = [], 0
@@ -413,7 +407,7 @@ class KvtierWorker(OffloadingWorker):
                 continue
             tensor_ids = self._group_tensors[g]
             if n_refs != len(tensor_ids):
-                raise ValueError(f"group {g} has {n_refs} data refs in the device pointers, {len(tensor_ids)} here")
+                raise BadArgument(f"group {g} has {n_refs} data refs in the device pointers, {len(tensor_ids)} here")
             blocks = None
             for j, t_idx in enumerate(tensor_ids):
                 t = self._tensors[t_idx]
@@ -421,28 +415,28 @@ class KvtierWorker(OffloadingWorker):
                 rel = ptrs[at + j * n : at + (j + 1) * n].astype(np.int64) - np.int64(t.data_ptr())
                 ids = rel // stride
                 if len(rel) != n or (rel % stride).any() or ids.min() < 0 or ids.max() >= t.shape[0]:
-                    raise ValueError(f"group {g}: device pointers of data ref {j} are not blocks of its tensor")
+                    raise BadArgument(f"group {g}: device pointers of data ref {j} are not blocks of its tensor")
                 if blocks is None:
                     blocks = ids
                 elif not np.array_equal(ids, blocks):
-                    raise ValueError(f"group {g}: data ref {j} points at other blocks than data ref 0")
+                    raise BadArgument(f"group {g}: data ref {j} points at other blocks than data ref 0")
             assert blocks is not None
             out.append(blocks)
             at += n * n_refs
         if at != len(ptrs):
-            raise ValueError(f"{len(ptrs)} device pointers, the groups account for {at}")
+            raise BadArgument(f"{len(ptrs)} device pointers, the groups account for {at}")
         return np.concatenate(out).astype(np.int32) if out else np.empty(0, dtype=np.int32)
 
     def _submit(self, job_id: int, to_host: bool, gpu_spec: Any, chunk_spec: Any, lane: str) -> bool:
         chunk_ids = getattr(chunk_spec, "block_ids", None)
         if not isinstance(chunk_ids, np.ndarray):
-            raise TypeError(f"the host side must be a spec of chunk ids, got {type(chunk_spec).__name__}")
+            raise BadArgument(f"the host side must be a spec of chunk ids, got {type(chunk_spec).__name__}")
         if isinstance(gpu_spec, GPULoadStoreSpec):
             ids, sizes, firsts = gpu_spec.block_ids, gpu_spec.group_sizes, gpu_spec.block_indices
         elif hasattr(gpu_spec, "ptrs") and hasattr(gpu_spec, "group_block_counts"):  # vLLM 0.34's DevicePointers
             ids, sizes, firsts = self.device_blocks(gpu_spec), gpu_spec.group_block_counts, gpu_spec.block_indices
         else:
-            raise TypeError(
+            raise BadArgument(
                 f"the GPU side must be a GPULoadStoreSpec or vLLM's DevicePointers, got {type(gpu_spec).__name__}"
             )
         self.copier.submit(job_id, to_host, ids, sizes, firsts, chunk_ids, lane)
@@ -510,7 +504,7 @@ class KvtierSpec(OffloadingSpec):
         super().__init__(*args, **kwargs)
         self.layout: SpecLayout = spec_layout(self)
         if self.layout.canonical_layout:
-            raise ValueError(
+            raise BadArgument(
                 "kvtier.vllm.KvtierSpec stores each rank's own bytes; the canonical layout "
                 "(canonical_layout=true in the extra config) is not supported"
             )
@@ -518,7 +512,7 @@ class KvtierSpec(OffloadingSpec):
         world_size = self.layout.world_size
         per_block = self.layout.worker_kv_bytes_per_block
         if per_block <= 0 or world_size <= 0:
-            raise ValueError(
+            raise BadArgument(
                 f"vLLM gave worker_kv_bytes_per_block={per_block} and world_size={world_size}: "
                 "kvtier sizes its host pool from both"
             )
@@ -527,7 +521,7 @@ class KvtierSpec(OffloadingSpec):
         self.kv_bytes_per_chunk = per_block * world_size * self.blocks_per_chunk
         self.num_chunks = int(self.settings.host_bytes) // self.kv_bytes_per_chunk
         if self.num_chunks < 1:
-            raise ValueError(
+            raise BadArgument(
                 f"host_bytes={self.settings.host_bytes} holds no chunk of {self.kv_bytes_per_chunk} bytes "
                 f"({per_block} bytes a block x {world_size} ranks x {self.blocks_per_chunk} blocks a chunk)"
             )

@@ -53,10 +53,10 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, Reques
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 # isort: on
-from kvtier._core import L3_HEADER_BYTES, ObjectFormat, ObjectPath, fingerprint
+from kvtier._core import L3_HEADER_BYTES, BadArgument, ObjectFormat, ObjectPath, fingerprint
 from kvtier.identity import Shard, layout_fields
 from kvtier.l3.store import MooncakeStore, Store, StoreConfig
-from kvtier.settings import CacheSettings
+from kvtier.settings import VLLM_TIER, CacheSettings, for_scope, scope_names
 
 log = logging.getLogger("kvtier.vllm")
 # vLLM seeds its block hashes, the keys of this tier's objects, at random in each process unless PYTHONHASHSEED is set.
@@ -66,43 +66,17 @@ UNSEEDED_HASHES = (
     "PYTHONHASHSEED to the same value on every instance that shares the Store."
 )
 
-# kvtier settings a tier's config may carry; vLLM's own keys of a tier config are left to vLLM.
-TIER_SETTINGS = (
-    "l3_master",
-    "l3_metadata_server",
-    "l3_protocol",
-    "l3_local_hostname",
-    "l3_segment_bytes",
-    "l3_buffer_bytes",
-    "l3_staging_bytes",
-    "l3_trusted_store",
-    "model_version",
-    "hash_key",
-)
+# kvtier settings a tier's config may carry (kvtier.settings' registry, scope "vllm_tier"); vLLM's own keys of a
+# tier config are left to vLLM.
+TIER_SETTINGS = scope_names(VLLM_TIER)
 VLLM_TIER_KEYS = frozenset({"locality", "module_path"})
 
 
 def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
-    """kvtier's settings of one tier config (``KVTIER_*`` for what it leaves out); refuses keys that are neither
-    vLLM's nor these settings, a missing ``l3_master`` or ``model_version``, and (kvtier's settings do) the public
+    """kvtier's settings of one tier config (``KVTIER_*`` for what it leaves out); kvtier's settings refuse keys
+    that are neither vLLM's nor settings of the tier, a missing ``l3_master`` or ``model_version``, and the public
     default ``hash_key`` on a Store not declared trusted."""
-    values = {k: v for k, v in config.items() if k not in VLLM_TIER_KEYS}
-    unknown = sorted(set(values) - set(TIER_SETTINGS))
-    if unknown:
-        raise ValueError(
-            f"KvtierMooncakeTier: config keys {unknown} are not settings of this tier (it reads "
-            f"{', '.join(TIER_SETTINGS)})"
-        )
-    s = CacheSettings.resolve(l3="mooncake", **values)
-    if s.l3_master is None:
-        raise ValueError("KvtierMooncakeTier needs l3_master ('host:port' of the Mooncake master)")
-    if s.model_version is None:
-        raise ValueError(
-            "KvtierMooncakeTier needs model_version (the model's revision the deployment vouches for): vLLM's "
-            "model name says where the weights came from, not what they are"
-        )
-    StoreConfig(s.l3_master)  # raises for an address that is not host:port
-    return s
+    return for_scope(VLLM_TIER, {k: v for k, v in config.items() if k not in VLLM_TIER_KEYS}, l3="mooncake")
 
 
 def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, str]:
@@ -168,7 +142,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
             log.warning(UNSEEDED_HASHES)
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2 or rows.dtype.itemsize != 1:
-            raise ValueError(f"primary_kv_view must be [chunks, bytes] of bytes, got shape {rows.shape} {rows.dtype}")
+            raise BadArgument(f"primary_kv_view must be [chunks, bytes] of bytes, got shape {rows.shape} {rows.dtype}")
         self._rows = rows
         self._base = int(rows.ctypes.data)
         self._stride = int(rows.strides[0])
@@ -176,12 +150,12 @@ class KvtierMooncakeTier(SecondaryTierManager):
         self._num_chunks = int(rows.shape[0])
         self.object_bytes = L3_HEADER_BYTES + self._row_bytes
         if self.object_bytes > s.l3_staging_bytes:
-            raise ValueError(
+            raise BadArgument(
                 f"l3_staging_bytes must hold one chunk object ({self.object_bytes} bytes), got {s.l3_staging_bytes}"
             )
         self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
         self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
-        # The one object path (rust/l3path.rs), staged: its staging buffers are the only memory registered.
+        # The one object path (rust/l3/path.rs), staged: its staging buffers are the only memory registered.
         self._path = ObjectPath(staging_bytes=s.l3_staging_bytes)
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         try:
@@ -257,9 +231,9 @@ class KvtierMooncakeTier(SecondaryTierManager):
     def _check_job(self, job: Any) -> None:
         chunks = np.asarray(job_chunk_ids(job))
         if len(job.keys) != len(chunks):
-            raise ValueError(f"job {job.job_id}: {len(job.keys)} keys but {len(chunks)} chunk ids")
+            raise BadArgument(f"job {job.job_id}: {len(job.keys)} keys but {len(chunks)} chunk ids")
         if len(chunks) and (chunks.min() < 0 or chunks.max() >= self._num_chunks):
-            raise ValueError(f"job {job.job_id}: chunk ids {chunks.tolist()} outside 0..{self._num_chunks - 1}")
+            raise BadArgument(f"job {job.job_id}: chunk ids {chunks.tolist()} outside 0..{self._num_chunks - 1}")
 
     def get_finished_jobs(self) -> Iterable[Any]:
         out = []

@@ -4,9 +4,9 @@
 //! meet a chain's key. The engine's bytes are kept by page slot, so what is evicted is reported in them, and a key
 //! is found by its bytes (compared in full) under the current model version.
 use super::{Index, Ticket, TicketKind};
-use crate::chain::Key;
 use crate::error::{invalid, Result};
-use crate::events::Medium;
+use crate::index::chain::Key;
+use crate::index::events::Medium;
 use crate::index::SlotPlan;
 
 /// The longest engine key taken.
@@ -225,7 +225,7 @@ impl Names {
 
     /// The slot holding the page of `key` by its bytes, as the pool has it now: None when no page of it was
     /// stored under this model version, or its page left the pool since.
-    fn slot_of(&self, pool: &crate::pool::Pool, hash: u64, key: &[u8]) -> Option<u32> {
+    fn slot_of(&self, pool: &crate::index::pool::Pool, hash: u64, key: &[u8]) -> Option<u32> {
         let s = self.find(hash, key)?;
         pool.entry(s).is_some_and(|e| e.key == self.slots[s as usize].key).then_some(s)
     }

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from kvtier._core import L3_CODES
+from kvtier._core import L3_CODES, BadArgument
 from kvtier.extras import l3_install_hint
 from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
 from kvtier.l3.server import port_open
 from kvtier.l3.worker import Breaker, Worker
+from kvtier.settings import L3_MASTER_MISSING, is_address
 
 if TYPE_CHECKING:
     from kvtier.settings import CacheSettings
@@ -40,7 +41,7 @@ log = logging.getLogger("kvtier.l3")
 
 R = TypeVar("R")
 
-# Every Store return code, read once in the core (rust/l3path.rs's CODES): (code, name, class, store failing).
+# Every Store return code, read once in the core (rust/l3/path.rs's CODES): (code, name, class, store failing).
 ERROR_NAMES: dict[int, str] = {code: name for code, name, _, _ in L3_CODES}
 _CODE = {name: code for code, name in ERROR_NAMES.items()}
 # Return codes of Mooncake Store 0.3.13 (ErrorCode in mooncake-store/include/types.h) that matter here.
@@ -162,23 +163,22 @@ class StoreConfig:
     max_pending_calls: int = 64
 
     def __post_init__(self) -> None:
-        host, sep, port = self.master_addr.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"master_addr must be 'host:port', got {self.master_addr!r}")
+        if not is_address(self.master_addr):
+            raise BadArgument(f"master_addr must be 'host:port', got {self.master_addr!r}")
         for name in ("global_segment_bytes", "local_buffer_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise BadArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("port_timeout_s", "setup_timeout_s", "call_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise BadArgument(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_pending_calls < 1:
-            raise ValueError(f"max_pending_calls must be >= 1, got {self.max_pending_calls}")
+            raise BadArgument(f"max_pending_calls must be >= 1, got {self.max_pending_calls}")
 
     @classmethod
     def of(cls, settings: CacheSettings) -> StoreConfig:
         """The Store's address and sizes from kvtier's L3 settings (``l3_master`` must be set)."""
         if settings.l3_master is None:
-            raise ValueError("the L3 tier needs l3_master (host:port)")
+            raise BadArgument(L3_MASTER_MISSING)
         return cls(
             settings.l3_master,
             metadata_server=settings.l3_metadata_server,

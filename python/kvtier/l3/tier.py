@@ -1,7 +1,7 @@
 """The L3 tier of a host prefix cache: page groups and states shared through a Store (Mooncake Store).
 
-The planning and the Store calls are the core's (``kvtier._core.L3Planner``, rust/l3plan.rs, over the one object
-path of every adapter, rust/l3path.rs): which groups and states a put sends and a fetch gets, their keys and
+The planning and the Store calls are the core's (``kvtier._core.L3Planner``, rust/l3/plan.rs, over the one object
+path of every adapter, rust/l3/path.rs): which groups and states a put sends and a fetch gets, their keys and
 pieces, batching, staging, headers, the check of every fetched object and the removal of a wrong one. This module
 runs those jobs on two worker threads and keeps the statistics.
 
@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier import Index, L3Planner, Ready, fingerprint
+from kvtier import BadArgument, Index, L3Planner, Ready, fingerprint
 from kvtier.copy import HostPool
 from kvtier.geometry import Geometry
 from kvtier.l3.errors import L3Error, L3Unavailable
@@ -163,13 +163,13 @@ def cache_fields(
     if callable(fingerprint_fields):
         fingerprint_fields = fingerprint_fields(settings)
     if fingerprint_fields is None and settings.model_version is None:
-        raise ValueError(
+        raise BadArgument(
             "l3='mooncake' needs the model's identity: model_version (a revision the deployment vouches "
             "for), or fingerprint_fields naming the model (its config and the digest of its weights), or "
             "fingerprint_fields={} to say that the page geometry alone decides the bytes"
         )
     if shard is not None and not isinstance(shard, Shard):
-        raise TypeError(f"shard must be a kvtier.identity.Shard, got {type(shard).__name__}")
+        raise BadArgument(f"shard must be a kvtier.identity.Shard, got {type(shard).__name__}")
     return layout_fields(
         page_bytes=geometry.page_bytes,
         state_bytes=geometry.state_bytes,

@@ -60,8 +60,11 @@ def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     variables included), Mooncake, and a --master that is no host:port or accepts no connection."""
     from kvtier.l3.server import port_open
     from kvtier.l3.store import StoreConfig, import_mooncake
+    from kvtier.settings import is_address
     from kvtier.tools.cli import L3_EXTRA, cache_settings
 
+    if a.master and not is_address(a.master):
+        ap.error(f"--master must be host:port, got {a.master!r}")
     pages = a.groups * a.group_pages
     master = a.master or "127.0.0.1:1"  # a placeholder until the local master runs
     cache_settings(
@@ -73,10 +76,7 @@ def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         l3_group_pages=a.group_pages,
         hash_key="kvtier bench",  # the run's caches use a key of their own
     )
-    try:
-        config = StoreConfig(master)
-    except ValueError:
-        ap.error(f"--master must be host:port, got {a.master!r}")
+    config = StoreConfig(master)
     if a.master and not port_open(config.master_host, config.master_port, MASTER_TIMEOUT_S):
         ap.error(f"--master {a.master}: no Mooncake master accepts connections there")
     try:

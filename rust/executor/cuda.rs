@@ -74,6 +74,10 @@ mod ffi {
 /// True when the copy kernel is compiled in.
 pub const COMPILED: bool = cfg!(kvtier_cuda);
 
+/// The version of the nvcc that compiled the kernel, and where the build found it (build.rs); None without it.
+pub const NVCC_VERSION: Option<&str> = option_env!("KVTIER_NVCC_VERSION");
+pub const NVCC_SOURCE: Option<&str> = option_env!("KVTIER_NVCC_SOURCE");
+
 /// Most layer tensors a GPU pool may have (`KVTIER_MAX_LAYERS` in cuda/copy.h).
 pub const MAX_LAYERS: usize = 256;
 

@@ -24,6 +24,30 @@ pub const KEY_SCHEME: u32 = 2;
 /// Context string from which the hash keys are derived (BLAKE3 `derive_key`).
 const KEY_CONTEXT: &str = "kvtier 2026-12 block hash key scheme 2";
 
+/// Context of the key derivation that maps an engine's own page hash (SGLang's HiCache page hashes, the keys of
+/// vLLM's CPU chunks) to a chain key, apart from the token chain's keys.
+const ENGINE_PAGE_CONTEXT: &str = "kvtier 2026-12 engine page hash to chain key v1";
+
+/// The chain key of an engine's page hash (its text): BLAKE3 in key-derivation mode, truncated to 128 bits (little
+/// endian). Unkeyed: the engine's hash already names the page's tokens and what they follow; the object's digest
+/// under the deployment's key is what vouches for its bytes (rust/l3/mod.rs).
+pub fn engine_page_key(hash: &str) -> Key {
+    let mut h = blake3::Hasher::new_derive_key(ENGINE_PAGE_CONTEXT);
+    h.update(hash.as_bytes());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    Key::from_le_bytes(out)
+}
+
+/// The chain key of each engine page hash, refusing an empty one (any other text is a hash: SGLang's are sha256
+/// hex chains).
+pub fn engine_page_keys<S: AsRef<str>>(page_hashes: &[S]) -> Result<Vec<Key>> {
+    if let Some(i) = page_hashes.iter().position(|h| h.as_ref().is_empty()) {
+        return Err(invalid(format!("page_hashes[{i}] is empty")));
+    }
+    Ok(page_hashes.iter().map(|h| engine_page_key(h.as_ref())).collect())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HashKind {
     /// Keyed BLAKE3 truncated to 128 bits: cryptographic, a crafted prompt cannot collide with another's prefix.
@@ -33,6 +57,9 @@ pub enum HashKind {
 }
 
 impl HashKind {
+    /// Every name `parse` takes.
+    pub const NAMES: [&'static str; 2] = ["blake3", "xxh3"];
+
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "blake3" => Ok(Self::Blake3),
@@ -315,6 +342,57 @@ pub enum Check {
     /// The length and the first and last hashed blocks: a lookup that only answers (a deferred request asking
     /// again), which serves nothing.
     Ends,
+}
+
+impl Check {
+    /// The ranges of a prompt of `len` tokens that a call with this check reads, for a request with `hashed`
+    /// tokens hashed in blocks of `block_size`: every token for `Full`, a request not hashed yet, or a prompt
+    /// shorter than what was hashed (the call then refuses it); for `Ends` the first and the last hashed block
+    /// (to check that the prompt still extends them) and the tokens after them. Empty ranges are unused.
+    pub fn ranges(self, hashed: usize, len: usize, block_size: usize) -> [std::ops::Range<usize>; 3] {
+        if self == Check::Full || hashed == 0 || hashed > len || hashed < block_size {
+            [0..len, 0..0, 0..0]
+        } else {
+            [0..block_size, hashed - block_size..hashed, hashed..len]
+        }
+    }
+}
+
+/// Some of a prompt's ids, read one at a time from where the engine holds them (a Python list): `len` ids in all,
+/// of which the ranges a call's `Check` reads (`Check::ranges`). Reading any other id is an error.
+pub struct Window {
+    len: usize,
+    pieces: Vec<(usize, Vec<i32>)>,
+}
+
+impl Window {
+    /// Reads `ranges` of a prompt of `len` ids, id `i` by `id(i)` (which range-checks it).
+    pub fn read<E>(
+        len: usize,
+        ranges: &[std::ops::Range<usize>],
+        mut id: impl FnMut(usize) -> std::result::Result<i32, E>,
+    ) -> std::result::Result<Self, E> {
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for r in ranges.iter().filter(|r| r.start < r.end) {
+            pieces.push((r.start, r.clone().map(&mut id).collect::<std::result::Result<Vec<i32>, E>>()?));
+        }
+        Ok(Self { len, pieces })
+    }
+}
+
+impl TokenIds for Window {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn read(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        let end = start + out.len();
+        let (from, ids) =
+            self.pieces.iter().find(|(from, ids)| *from <= start && end <= from + ids.len()).ok_or_else(|| {
+                invalid(format!("token_ids {start}..{end} were not read: the request changed meanwhile"))
+            })?;
+        out.copy_from_slice(&ids[start - from..end - from]);
+        Ok(())
+    }
 }
 
 /// One request's chain: its namespace, the keys of the full blocks hashed so far and those blocks' tokens (to
@@ -614,6 +692,45 @@ mod lanes {
 mod tests {
     use super::*;
 
+    #[test]
+    fn engine_page_keys_are_derived_apart_and_refuse_an_empty_hash() {
+        assert_eq!(engine_page_key("ab"), engine_page_key("ab"));
+        assert_ne!(engine_page_key("ab"), engine_page_key("ba"));
+        assert_ne!(engine_page_key(""), engine_page_key("a"));
+        // The keys of objects already in a Store: the derivation must not change.
+        let mut want = [0u8; 16];
+        want.copy_from_slice(&blake3::derive_key(ENGINE_PAGE_CONTEXT, b"ab")[..16]);
+        assert_eq!(engine_page_key("ab"), Key::from_le_bytes(want));
+        assert_eq!(engine_page_keys(&["x", "y"]).unwrap(), vec![engine_page_key("x"), engine_page_key("y")]);
+        let err = engine_page_keys(&["x", ""]).unwrap_err();
+        assert_eq!(err.to_string(), "page_hashes[1] is empty");
+    }
+
+    #[test]
+    fn a_check_reads_every_token_or_only_the_ends_and_the_new_tokens() {
+        assert_eq!(Check::Full.ranges(8, 12, 4), [0..12, 0..0, 0..0]);
+        assert_eq!(Check::Ends.ranges(8, 12, 4), [0..4, 4..8, 8..12]);
+        assert_eq!(Check::Ends.ranges(4, 4, 4), [0..4, 0..4, 4..4]);
+        // Nothing hashed yet, or a prompt shorter than what was hashed (refused by the call): all of it.
+        assert_eq!(Check::Ends.ranges(0, 12, 4), [0..12, 0..0, 0..0]);
+        assert_eq!(Check::Ends.ranges(16, 12, 4), [0..12, 0..0, 0..0]);
+        // The ranges an Ends check reads are what the chain compares: the prompt still extends its chain.
+        let h = BlockHasher::new(HashKind::Blake3, b"");
+        let t = toks(40, 3);
+        let mut c = Chain::default();
+        c.extend(&h, 4, b"", h.root(b"", b""), &t[..16]).unwrap();
+        let ranges = Check::Ends.ranges(c.hashed_tokens(), t.len(), 4);
+        let w = Window::read(t.len(), &ranges, |i| Ok::<i32, ()>(t[i])).unwrap();
+        assert_eq!(c.mismatch(4, b"", &w, Check::Ends).unwrap(), None);
+        assert_eq!(c.extend(&h, 4, b"", h.root(b"", b""), &w).unwrap(), 6);
+        assert_eq!(c.keys(), chain_of(&h, 4, b"", &t).as_slice());
+        // A Full check reads what an Ends window does not have: refused, never read as zeros.
+        let mut w2 = Window::read(t.len(), &ranges, |i| Ok::<i32, ()>(t[i])).unwrap();
+        assert!(c.mismatch(4, b"", &w2, Check::Full).is_err());
+        w2 = Window::read(t.len(), &Check::Full.ranges(16, t.len(), 4), |i| Ok::<i32, ()>(t[i])).unwrap();
+        assert_eq!(c.mismatch(4, b"", &w2, Check::Full).unwrap(), None);
+    }
+
     fn toks(n: usize, seed: i32) -> Vec<i32> {
         (0..n as i32).map(|i| (i * 7919 + seed) % 50_000).collect()
     }
@@ -625,6 +742,14 @@ mod tests {
     }
 
     /// Each key is exactly keyed BLAKE3 of the spec: `C(prev, D(block))`, computed here with the blake3 crate.
+    #[test]
+    fn every_hash_kind_name_parses_to_itself() {
+        for name in HashKind::NAMES {
+            assert_eq!(HashKind::parse(name).unwrap().name(), name);
+        }
+        assert!(HashKind::parse("sha256").is_err());
+    }
+
     #[test]
     fn blake3_keys_equal_the_reference_construction() {
         let h = BlockHasher::new(HashKind::Blake3, b"secret");

@@ -1,5 +1,5 @@
 //! L3 planning: which objects a put sends and a fetch gets, their key strings and host pieces, and the jobs
-//! that run them through the one object path (rust/l3path.rs) against a `Store`. The L3 tier's threads only call
+//! that run them through the one object path (rust/l3/path.rs) against a `Store`. The L3 tier's threads only call
 //! `put` and `fetch` and count what they report.
 //!
 //! A put names the whole groups of `group_pages` pages of what a store made ready, and its states at group
@@ -11,11 +11,11 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::chain::Key;
 use crate::error::{invalid, Result};
+use crate::index::chain::Key;
 use crate::index::{deepest_with_state, Index, Ready};
+use crate::l3::path::{Buffer, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
 use crate::l3::{group_key_string, state_key_string, ObjectFormat, ObjectKind, Reject, SeenSet};
-use crate::l3path::{Buffer, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
 
 /// Seen-set ids of state objects differ from those of groups named by the same chain key.
 const STATE_ID: Key = 0x5354_4154_4500_0000_0000_0000_0000_0001;
@@ -489,11 +489,11 @@ impl Tier<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chain::HashKind;
-    use crate::events::Medium;
+    use crate::index::chain::HashKind;
+    use crate::index::events::Medium;
     use crate::index::Config;
-    use crate::l3path::test_store::MapStore;
-    use crate::l3path::{Answer, WRONG_LENGTH};
+    use crate::l3::path::test_store::MapStore;
+    use crate::l3::path::{Answer, WRONG_LENGTH};
 
     struct Host {
         pages: Vec<u8>,
@@ -604,7 +604,7 @@ mod tests {
         let tokens: Vec<i32> = (0..17).collect();
         store_and_put(&mut a, &store, "a", &tokens);
         let n = store.values.borrow().len();
-        for code in [-800, -707, -900, crate::l3path::RPC_TIMEOUT] {
+        for code in [-800, -707, -900, crate::l3::path::RPC_TIMEOUT] {
             for k in store.values.borrow().keys() {
                 store.answer.borrow_mut().insert(k.clone(), code);
             }

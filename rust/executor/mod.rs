@@ -7,10 +7,28 @@
 //! being one tensor a layer already) and `states` (a GPU staging buffer, which the engine's own kernels fill and
 //! drain, and the host state pool). Without copy streams, or on a CPU pool, every copy runs on the engine's stream
 //! (a memcpy on the CPU, complete on return) and the ordering calls do nothing.
-use crate::copy::{CompletionQueue, Direction, PageCopier, Used};
-use crate::cuda::{Event, Stream};
+pub mod copy;
+pub mod cuda;
+pub mod hostmem;
+pub mod order;
+
 use crate::error::{invalid, Error, Result};
-use crate::order::{Device, Order};
+use crate::executor::copy::{CompletionQueue, Direction, PageCopier, Used};
+use crate::executor::cuda::{Event, Stream};
+use crate::executor::order::{Device, Order};
+
+/// A block table as the engine holds it (any integers), as the int32 GPU block ids the copies take. An id that is
+/// negative or beyond int32 is refused here; `Executor::check_blocks` checks the ids a call uses against the pool
+/// of `num_blocks` blocks, with the same message.
+pub fn block_table(ids: impl IntoIterator<Item = i64>, what: &str, num_blocks: u32) -> Result<Vec<i32>> {
+    ids.into_iter()
+        .map(|v| i32::try_from(v).ok().filter(|&b| b >= 0).ok_or_else(|| outside_pool(what, v, num_blocks)))
+        .collect()
+}
+
+fn outside_pool(what: &str, id: i64, num_blocks: u32) -> Error {
+    invalid(format!("{what}: block id {id} is outside the GPU pool of {num_blocks} blocks"))
+}
 
 /// A CUDA device as `Order` needs it.
 pub struct Cuda(i32);
@@ -137,7 +155,7 @@ impl Executor {
     pub fn check_blocks(&self, blocks: &[i32], what: &str) -> Result<()> {
         let n = self.pages.pool().num_blocks;
         match blocks.iter().find(|&&b| b < 0 || b as u32 >= n) {
-            Some(b) => Err(invalid(format!("{what}: block id {b} is outside the GPU pool of {n} blocks"))),
+            Some(&b) => Err(outside_pool(what, b.into(), n)),
             None => Ok(()),
         }
     }
@@ -196,7 +214,7 @@ impl Executor {
     }
 
     fn state_copier(&self) -> Result<&PageCopier> {
-        self.states.as_ref().ok_or_else(|| invalid("this cache has no state pool"))
+        self.states.as_ref().ok_or_else(|| Error::State("this cache has no state pool".into()))
     }
 
     /// Records `ticket` as complete once its copies are. `engine_work`: some of them (states) ran on the engine's

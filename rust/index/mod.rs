@@ -4,14 +4,19 @@
 //! (entries become ready, references drop) or aborted (new entries are discarded).
 use std::collections::HashMap;
 
-use crate::chain::{BlockHasher, Chain, Check, HashKind, Key, TokenIds};
 use crate::error::{invalid, Error, Result};
-use crate::events::{Event, EventLog, Medium};
-use crate::policy::Policy;
-use crate::pool::Pool;
-use crate::stats::Stats;
+use crate::index::chain::{BlockHasher, Chain, Check, HashKind, Key, TokenIds};
+use crate::index::events::{Event, EventLog, Medium};
+use crate::index::policy::Policy;
+use crate::index::pool::Pool;
+use crate::index::stats::Stats;
 
+pub mod chain;
 mod engine_keys;
+pub mod events;
+pub mod policy;
+pub mod pool;
+pub mod stats;
 pub use engine_keys::{KeyCompletion, KeyLookup, KeyState, KeyStorePlan, Name, MAX_ENGINE_KEY_BYTES};
 
 #[derive(Clone, Debug)]
@@ -242,7 +247,7 @@ impl Index {
     pub fn stats(&self) -> &Stats {
         &self.stats
     }
-    /// Every counter and gauge of the index by its name in the statistics table (rust/stats.rs).
+    /// Every counter and gauge of the index by its name in the statistics table (rust/index/stats.rs).
     pub fn stat_values(&self) -> Vec<(&'static str, u64)> {
         let s = &self.stats;
         let (p, st) = (&self.pages, &self.states);
@@ -612,7 +617,7 @@ impl Index {
     /// ticket once the bytes are in, abort it if the get failed.
     pub fn plan_fetch(&mut self, page_keys: &[Key], state_keys: &[Key]) -> Result<Option<SlotPlan>> {
         let missing = |pool: &Pool, keys: &[Key]| -> Vec<Key> {
-            let mut seen = crate::pool::KeyMap::default();
+            let mut seen = crate::index::pool::KeyMap::default();
             keys.iter().copied().filter(|k| pool.slot_of(*k).is_none() && seen.insert(*k, ()).is_none()).collect()
         };
         let new_pages = missing(&self.pages, page_keys);
@@ -979,9 +984,9 @@ mod tests {
 
     #[test]
     fn every_index_statistic_is_in_the_table() {
-        let names: Vec<&str> = crate::stats::TABLE.iter().map(|s| s.name).collect();
+        let names: Vec<&str> = crate::index::stats::TABLE.iter().map(|s| s.name).collect();
         for (name, _) in index(4, 1).stat_values() {
-            assert!(names.contains(&name), "{name} is not in rust/stats.rs TABLE");
+            assert!(names.contains(&name), "{name} is not in rust/index/stats.rs TABLE");
         }
     }
 

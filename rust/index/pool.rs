@@ -1,4 +1,4 @@
-//! A fixed set of host slots with an eviction policy (rust/policy.rs), where only evictable entries sit in the
+//! A fixed set of host slots with an eviction policy (rust/index/policy.rs), where only evictable entries sit in the
 //! eviction lists.
 //!
 //! An entry leaves its list when it is acquired (refs 0 -> 1) or while it is not ready, and re-enters at the
@@ -16,9 +16,9 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::chain::Key;
 use crate::error::{Error, Result};
-use crate::policy::{Ghosts, Policy, TARGET_UNIT};
+use crate::index::chain::Key;
+use crate::index::policy::{Ghosts, Policy, TARGET_UNIT};
 
 const NIL: u32 = u32::MAX;
 

@@ -12,8 +12,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
-use crate::cuda;
 use crate::error::{invalid, Error, Result};
+use crate::executor::cuda;
 
 mod sys {
     use std::ffi::{c_int, c_void};
@@ -55,6 +55,11 @@ pub enum PinMethod {
     Auto,
     Driver,
     Register,
+}
+
+impl PinMethod {
+    /// Every name `from_str` takes.
+    pub const NAMES: [&'static str; 3] = ["auto", "driver", "register"];
 }
 
 impl std::str::FromStr for PinMethod {
@@ -250,7 +255,7 @@ impl HostPool {
     pub(crate) fn access(&self) -> Result<RwLockReadGuard<'_, Option<Mapping>>> {
         let guard = self.mem.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         if guard.is_none() {
-            return Err(invalid("the host pool is closed"));
+            return Err(Error::State("the host pool is closed".into()));
         }
         Ok(guard)
     }
@@ -280,9 +285,15 @@ impl HostPool {
     }
 
     fn slot_offset(&self, slot: u32) -> Result<u64> {
+        if slot >= self.slots {
+            return Err(invalid(format!("slot {slot} is outside the host pool of {} slots", self.slots)));
+        }
         let usable = self.usable_slots();
         if slot >= usable {
-            return Err(invalid(format!("slot {slot} is not below usable_slots = {usable} (of {} slots)", self.slots)));
+            return Err(Error::State(format!(
+                "slot {slot} is not below usable_slots = {usable} (of {} slots)",
+                self.slots
+            )));
         }
         Ok(u64::from(slot) * self.slot_bytes)
     }
@@ -374,5 +385,26 @@ mod tests {
         assert_eq!(pool.grow_step().unwrap(), 10);
         pool.close().unwrap();
         assert!(pool.read(1).is_err());
+    }
+
+    /// A slot not usable yet and a closed pool are the pool's state, never the caller's bad argument.
+    #[test]
+    fn a_closed_pool_and_an_unusable_slot_are_states_not_bad_arguments() {
+        let pool = HostPool::new(4, 16, 16, Some(false), PinMethod::Auto).unwrap();
+        assert!(matches!(pool.read(0), Err(Error::State(_))));
+        assert!(matches!(pool.read(4), Err(Error::InvalidArgument(_))), "beyond the pool: the caller's");
+        pool.grow_step().unwrap();
+        pool.read(0).unwrap();
+        pool.close().unwrap();
+        assert_eq!(pool.read(0), Err(Error::State("the host pool is closed".into())));
+        assert!(matches!(pool.write(0, &[1]), Err(Error::State(_))));
+    }
+
+    #[test]
+    fn every_pin_method_name_parses() {
+        for name in PinMethod::NAMES {
+            name.parse::<PinMethod>().unwrap();
+        }
+        assert!(matches!("pinned".parse::<PinMethod>(), Err(Error::InvalidArgument(_))));
     }
 }

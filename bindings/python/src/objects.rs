@@ -1,28 +1,16 @@
 //! `kvtier._core.ObjectFormat`: how single verified L3 objects named by an engine's own page hashes (SGLang's
 //! HiCache pages, vLLM's CPU chunks) are keyed, sealed and checked, by the same format as the L3 tier's groups
-//! (rust/l3.rs). `ObjectPath` (rust/py/l3.rs) moves them.
-use pyo3::exceptions::PyValueError;
+//! (rust/l3/mod.rs). `ObjectPath` (bindings/python/src/l3.rs) moves them.
+
 use pyo3::prelude::*;
 
-use super::namespace_bytes;
-use crate::chain::Key;
-use crate::l3::{group_key_string, ObjectFormat};
-
-/// Context of the BLAKE3 key derivation that maps an engine's page hash (its text) to a chain key.
-const PAGE_KEY_CONTEXT: &str = "kvtier 2026-12 engine page hash to chain key v1";
+use crate::{bad_argument, namespace_bytes, to_py};
+use kvtier::index::chain::{engine_page_keys, Key};
+use kvtier::l3::{group_key_string, ObjectFormat};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyObjectFormat>()?;
     Ok(())
-}
-
-/// The chain key of an engine's page hash: BLAKE3 in key-derivation mode, truncated to 128 bits (little endian).
-fn page_key(hash: &str) -> Key {
-    let mut h = blake3::Hasher::new_derive_key(PAGE_KEY_CONTEXT);
-    h.update(hash.as_bytes());
-    let mut out = [0u8; 16];
-    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
-    Key::from_le_bytes(out)
 }
 
 /// How one engine's objects are written and checked: the layout fingerprint and the deployment's hash key.
@@ -38,9 +26,7 @@ impl PyObjectFormat {
     #[pyo3(signature = (fingerprint, *, hash_key=None))]
     fn new(fingerprint: &str, hash_key: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         if fingerprint.is_empty() || fingerprint.contains('/') {
-            return Err(PyValueError::new_err(format!(
-                "fingerprint must be non-empty and without '/', got {fingerprint:?}"
-            )));
+            return Err(bad_argument(format!("fingerprint must be non-empty and without '/', got {fingerprint:?}")));
         }
         let format = ObjectFormat::new(fingerprint, &namespace_bytes(hash_key)?);
         Ok(Self { fingerprint: fingerprint.to_owned(), format })
@@ -69,25 +55,10 @@ impl PyObjectFormat {
 
     /// The chain key of each page hash, refusing an empty one.
     pub(super) fn chain_keys(&self, page_hashes: &[String]) -> PyResult<Vec<Key>> {
-        if let Some(i) = page_hashes.iter().position(String::is_empty) {
-            return Err(PyValueError::new_err(format!("page_hashes[{i}] is empty")));
-        }
-        Ok(page_hashes.iter().map(|h| page_key(h)).collect())
+        engine_page_keys(page_hashes).map_err(to_py)
     }
 
     pub(super) fn store_key(&self, key: Key) -> String {
         group_key_string(&self.fingerprint, 1, key)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn page_keys_are_deterministic_and_distinct() {
-        assert_eq!(page_key("ab"), page_key("ab"));
-        assert_ne!(page_key("ab"), page_key("ba"));
-        assert_ne!(page_key(""), page_key("a"));
     }
 }

@@ -2,14 +2,13 @@
 //! it from torch tensors), `CompletionQueue`, and the copy streams' `CopyStream` and `CopyEvent`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{int32s, non_negative, to_py};
-use crate::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
-use crate::cuda::{self, Event, Layer, Stream};
-use crate::hostmem::{self, HostPool};
+use crate::{bad_argument, int32s, non_negative, to_py};
+use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
+use kvtier::executor::cuda::{self, Event, Layer, Stream};
+use kvtier::executor::hostmem::{self, HostPool};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
@@ -18,11 +17,13 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCopyStream>()?;
     m.add_class::<PyCopyEvent>()?;
     m.add_function(wrap_pyfunction!(dma_supported, m)?)?;
+    m.add("COPY_METHODS", Method::NAMES.to_vec())?;
+    m.add("PIN_METHODS", hostmem::PinMethod::NAMES.to_vec())?;
     Ok(())
 }
 
 /// Host memory for `slots` slots of `slot_bytes`, reserved as one range and backed and pinned one pin step
-/// (`step_bytes`) at a time, the way `pin_method` says (rust/hostmem.rs).
+/// (`step_bytes`) at a time, the way `pin_method` says (rust/executor/hostmem.rs).
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
@@ -156,7 +157,7 @@ impl PyPageCopier {
         crossover_bytes: Option<i64>,
     ) -> PyResult<Self> {
         if layer_ptrs.len() != layer_strides.len() {
-            return Err(PyValueError::new_err(format!(
+            return Err(bad_argument(format!(
                 "layer_ptrs and layer_strides differ in length: {} and {}",
                 layer_ptrs.len(),
                 layer_strides.len()
@@ -314,7 +315,7 @@ impl PyCompletionQueue {
     #[pyo3(signature = (device = None))]
     fn new(device: Option<i64>) -> PyResult<Self> {
         let device = device
-            .map(|d| i32::try_from(d).map_err(|_| PyValueError::new_err(format!("device {d} is out of range"))))
+            .map(|d| i32::try_from(d).map_err(|_| bad_argument(format!("device {d} is out of range"))))
             .transpose()?;
         Ok(Self { inner: Mutex::new(CompletionQueue::new(device).map_err(to_py)?) })
     }
@@ -351,7 +352,7 @@ fn device_arg(device: i64) -> PyResult<i32> {
     let count = cuda::device_count();
     match i32::try_from(device) {
         Ok(d) if (0..count).contains(&d) => Ok(d),
-        _ => Err(PyValueError::new_err(format!("device {device} is not a visible CUDA device ({count} visible)"))),
+        _ => Err(bad_argument(format!("device {device} is not a visible CUDA device ({count} visible)"))),
     }
 }
 

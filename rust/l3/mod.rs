@@ -18,11 +18,14 @@
 //! fingerprint or format, truncated, extended or with one bit flipped fails `check`. Without a hash key anyone
 //! who can write to the Store can also compute the digest; with one (`KVTIER_HASH_KEY`) the digest is keyed
 //! BLAKE3 and forging an object needs the key. See docs/RELIABILITY.md.
+pub mod path;
+pub mod plan;
+
 use std::collections::VecDeque;
 
-use crate::chain::{Key, KEY_SCHEME};
 use crate::error::{invalid, Result};
-use crate::pool::KeyMap;
+use crate::index::chain::{Key, KEY_SCHEME};
+use crate::index::pool::KeyMap;
 
 /// Object format version (key strings and header); bump when the bytes behind a key change meaning.
 pub const FORMAT_VERSION: u32 = 2;

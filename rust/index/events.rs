@@ -3,7 +3,7 @@
 //! happened, with a sequence number; the log is bounded (the oldest events are dropped beyond it, and counted).
 use std::collections::VecDeque;
 
-use crate::chain::Key;
+use crate::index::chain::Key;
 
 /// The tier an event is about, named as vLLM's KV events name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

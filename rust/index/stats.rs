@@ -139,7 +139,7 @@ pub const TABLE: &[StatInfo] = &[
     stat("l3_errors", Counter, "Failures of the L3 tier"),
     stat("l3_get_seconds", Counter, "Seconds spent in L3 gets"),
     stat("l3_exists_seconds", Counter, "Seconds spent asking L3 which objects exist"),
-    // The object path's counters (rust/l3path.rs), the same for kvtier's tier, SGLang's and vLLM's.
+    // The object path's counters (rust/l3/path.rs), the same for kvtier's tier, SGLang's and vLLM's.
     stat("l3_objects_put", Counter, "L3 objects put"),
     stat("l3_puts_present", Counter, "L3 puts skipped: the Store has the object"),
     stat("l3_puts_failed", Counter, "L3 objects (or put jobs) not stored"),

@@ -14,9 +14,9 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::cuda::{self, Copy2d, Event, Launch, Layer};
 use crate::error::{invalid, Error, Result};
-use crate::hostmem::HostPool;
+use crate::executor::cuda::{self, Copy2d, Event, Launch, Layer};
+use crate::executor::hostmem::HostPool;
 
 /// CTAs (CUDA thread blocks) of the copy kernel when none are given: the fewest that reach the link's ceiling
 /// (docs/PERFORMANCE.md).
@@ -41,6 +41,9 @@ pub enum Method {
 }
 
 impl Method {
+    /// Every name `parse` takes.
+    pub const NAMES: [&'static str; 3] = ["auto", "kernel", "dma"];
+
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "auto" => Ok(Self::Auto),
@@ -569,12 +572,15 @@ impl PageCopier {
                 return Err(invalid(format!("gpu_ids[{i}] = {id} is outside the GPU pool of {blocks} blocks")));
             }
         }
-        let usable = self.host.usable_slots();
+        let (usable, slots) = (self.host.usable_slots(), self.host.slots());
         for (i, &s) in host_slots.iter().enumerate() {
-            if s < 0 || s as u32 >= usable {
-                return Err(invalid(format!(
-                    "host_slots[{i}] = {s} is not below usable_slots = {usable} (of {} slots)",
-                    self.host.slots()
+            if s < 0 || s as u32 >= slots {
+                return Err(invalid(format!("host_slots[{i}] = {s} is outside the host pool of {slots} slots")));
+            }
+            // A slot of the pool not pinned yet: the pool's state, not the caller's mistake.
+            if s as u32 >= usable {
+                return Err(Error::State(format!(
+                    "host_slots[{i}] = {s} is not below usable_slots = {usable} (of {slots} slots)"
                 )));
             }
         }
@@ -730,7 +736,7 @@ impl CompletionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hostmem::PinMethod;
+    use crate::executor::hostmem::PinMethod;
 
     fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {
         let mut mem: Vec<Vec<u8>> =
@@ -748,6 +754,14 @@ mod tests {
         // SAFETY: `mem` is returned to the test and outlives the copier's use.
         let copier = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
         (mem, copier)
+    }
+
+    #[test]
+    fn every_copy_method_name_parses_to_itself() {
+        for name in Method::NAMES {
+            assert_eq!(Method::parse(name).unwrap().name(), name);
+        }
+        assert!(Method::parse("fast").is_err());
     }
 
     #[test]

@@ -12,9 +12,9 @@
 //! The target moves by a sixteenth of ARC's step: a prompt misses in a run of pages (a returning conversation
 //! brings back its whole history at once), and a whole run moving the target by a page each made it swing by a
 //! prompt's length per request (docs/EVICTION.md has the measurements). It starts at half the pool.
-use crate::chain::Key;
 use crate::error::{invalid, Result};
-use crate::pool::KeyMap;
+use crate::index::chain::Key;
+use crate::index::pool::KeyMap;
 
 const NIL: u32 = u32::MAX;
 

@@ -8,8 +8,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::chain::Key;
 use crate::error::{invalid, Result};
+use crate::index::chain::Key;
 use crate::l3::{ObjectFormat, ObjectKind, Reject, HEADER_BYTES};
 
 /// Objects one Store call moves at most: the header slots of each direction (SGLang's HiCache batches 128 pages;
@@ -145,7 +145,7 @@ pub enum GetOutcome {
     Rejected { why: Reject, removed: bool },
 }
 
-/// The counters of one object path (rust/stats.rs names them `l3_*`).
+/// The counters of one object path (rust/index/stats.rs names them `l3_*`).
 #[derive(Debug, Default)]
 pub struct Counters {
     pub objects_put: AtomicU64,
@@ -162,7 +162,7 @@ pub struct Counters {
 }
 
 impl Counters {
-    /// `(name, value)` of each counter, named as in rust/stats.rs's table.
+    /// `(name, value)` of each counter, named as in rust/index/stats.rs's table.
     pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
         let v = |c: &AtomicU64| c.load(Ordering::Relaxed);
         vec![

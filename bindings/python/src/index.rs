@@ -2,18 +2,17 @@
 use std::sync::MutexGuard;
 
 use numpy::PyArray1;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::{int32s, namespace_bytes, non_negative, slots_array, to_py, Prompt, Window};
-use crate::cache::SharedIndex;
-use crate::chain::{Check, HashKind, TokenIds};
-use crate::error::invalid;
-use crate::events::Event;
-use crate::index::{Config, Index, Ready};
-use crate::policy::Policy;
-use crate::pool::PolicyState;
+use crate::{bad_argument, int32s, namespace_bytes, non_negative, raised_by, slots_array, to_py, with_prompt};
+use kvtier::cache::{full_blocks, lookup, Prompt as _, Request, SharedIndex};
+use kvtier::index::chain::{Check, HashKind, TokenIds};
+use kvtier::index::events::Event;
+use kvtier::index::policy::Policy;
+use kvtier::index::pool::PolicyState;
+use kvtier::index::{Config, Index, Ready};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndexConfig>()?;
@@ -26,6 +25,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKeyAnswers>()?;
     m.add_class::<PyPolicyState>()?;
     m.add("EVICTION_POLICIES", Policy::NAMES.to_vec())?;
+    m.add("HASH_KINDS", HashKind::NAMES.to_vec())?;
     Ok(())
 }
 
@@ -151,7 +151,7 @@ impl PackedKeys {
 /// A sequence of bytes objects, copied (the GIL is released while the index works on them).
 fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     if keys.is_instance_of::<PyBytes>() || keys.is_instance_of::<pyo3::types::PyString>() {
-        return Err(PyTypeError::new_err(format!(
+        return Err(bad_argument(format!(
             "keys must be a sequence of bytes objects, got one {}",
             keys.get_type().name()?
         )));
@@ -161,7 +161,7 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
     let mut add = |i: usize, k: &Bound<'_, PyAny>| -> PyResult<()> {
         let b = k.cast::<PyBytes>().map_err(|_| {
             let t = k.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            PyTypeError::new_err(format!("keys[{i}] must be bytes, got {t}"))
+            bad_argument(format!("keys[{i}] must be bytes, got {t}"))
         })?;
         out.bytes.extend_from_slice(b.as_bytes());
         out.ends.push(out.bytes.len());
@@ -173,8 +173,9 @@ fn engine_keys(keys: &Bound<'_, PyAny>) -> PyResult<PackedKeys> {
             add(i, &k)?;
         }
     } else {
-        for (i, k) in keys.try_iter()?.enumerate() {
-            add(i, &k?)?;
+        let raised = |e| raised_by(keys.py(), "keys", e);
+        for (i, k) in keys.try_iter().map_err(raised)?.enumerate() {
+            add(i, &k.map_err(raised)?)?;
         }
     }
     Ok(out)
@@ -244,7 +245,7 @@ impl From<PolicyState> for PyPolicyState {
 fn slot_count(name: &str, v: i64) -> PyResult<u32> {
     let n: u32 = non_negative(name, v)?;
     if n > i32::MAX as u32 {
-        return Err(PyValueError::new_err(format!("{name} must be < 2**31, got {v}")));
+        return Err(bad_argument(format!("{name} must be < 2**31, got {v}")));
     }
     Ok(n)
 }
@@ -364,20 +365,17 @@ fn version_bytes(v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     } else if let Ok(b) = v.cast::<pyo3::types::PyBytes>() {
         b.as_bytes().to_vec()
     } else {
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "model version must be str or bytes, got {}",
-            v.get_type().name()?
-        )));
+        return Err(bad_argument(format!("model version must be str or bytes, got {}", v.get_type().name()?)));
     };
     if b.is_empty() {
-        return Err(PyValueError::new_err("model version must not be empty"));
+        return Err(bad_argument("model version must not be empty"));
     }
     Ok(b)
 }
 
 impl PyIndex {
     pub(super) fn lock(&self) -> MutexGuard<'_, Index> {
-        crate::cache::lock(&self.inner)
+        kvtier::cache::lock(&self.inner)
     }
 
     /// The index itself, for a cache or a planner that shares it.
@@ -385,34 +383,18 @@ impl PyIndex {
         &self.inner
     }
 
-    /// Runs `f` on the index and the prompt's ids with the GIL released. An array is read in place. Of a list or
-    /// tuple every item is read for `Check::Full`; for `Check::Ends` only what the request's chain needs: its first
-    /// and last hashed blocks (to check that the prompt still extends them) and the tokens after them.
-    fn with_prompt<R: Send>(
+    /// Runs `f` on the index and every id of the prompt with the GIL released (an array read in place).
+    fn with_ids<R: Send>(
         &self,
         py: Python<'_>,
-        request_id: &str,
         token_ids: &Bound<'_, PyAny>,
-        check: Check,
-        f: impl FnOnce(&mut Index, &(dyn TokenIds + Sync)) -> crate::error::Result<R> + Send,
+        f: impl FnOnce(&mut Index, &dyn TokenIds) -> kvtier::error::Result<R> + Send,
     ) -> PyResult<R> {
-        match Prompt::of(token_ids)? {
-            Prompt::Array(a) => a.with(|ids| py.detach(|| f(&mut self.lock(), ids))).map_err(to_py),
-            Prompt::Items(seq) => {
-                let (hashed, bs) = {
-                    let ix = self.lock();
-                    (ix.hashed_tokens(request_id), ix.config().block_size)
-                };
-                let n = seq.len()?;
-                let ranges = if check == Check::Full || hashed == 0 || hashed > n {
-                    [0..n, 0..0, 0..0]
-                } else {
-                    [0..bs, hashed - bs..hashed, hashed..n]
-                };
-                let w = Window::read(&seq, &ranges)?;
-                py.detach(|| f(&mut self.lock(), &w)).map_err(to_py)
-            }
-        }
+        let bs = self.lock().config().block_size;
+        with_prompt(py, token_ids, bs, |ids, _| {
+            let t = ids.ids(Check::Full, 0)?;
+            f(&mut self.lock(), t)
+        })
     }
 }
 
@@ -498,9 +480,7 @@ impl PyIndex {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u128>> {
         let ns = namespace_bytes(namespace)?;
-        self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| {
-            ix.chain(request_id, &ns, t, Check::Full).map(<[u128]>::to_vec)
-        })
+        self.with_ids(py, token_ids, |ix, t| ix.chain(request_id, &ns, t, Check::Full).map(<[u128]>::to_vec))
     }
 
     /// The block keys hashed so far for a request.
@@ -523,10 +503,9 @@ impl PyIndex {
         verify: bool,
     ) -> PyResult<PyLookup> {
         let ns = namespace_bytes(namespace)?;
-        let l = self.with_prompt(py, request_id, token_ids, Check::Ends, |ix, t| ix.lookup(request_id, &ns, t))?;
-        if verify && l.hit_tokens > 0 {
-            self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| ix.verify(request_id, &ns, t))?;
-        }
+        let bs = self.lock().config().block_size;
+        let request = Request { id: request_id, namespace: &ns };
+        let l = with_prompt(py, token_ids, bs, |ids, _| lookup(&self.inner, request, ids, verify))?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
@@ -539,14 +518,7 @@ impl PyIndex {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyLookup> {
         let ns = namespace_bytes(namespace)?;
-        let l = match Prompt::of(token_ids)? {
-            Prompt::Array(a) => a.with(|ids| py.detach(|| self.lock().peek(&ns, ids))),
-            Prompt::Items(seq) => {
-                let w = Window::read(&seq, &[0..seq.len()?, 0..0, 0..0])?;
-                py.detach(|| self.lock().peek(&ns, &w))
-            }
-        }
-        .map_err(to_py)?;
+        let l = self.with_ids(py, token_ids, |ix, t| ix.peek(&ns, t))?;
         Ok(PyLookup { hit_tokens: l.hit_tokens, ready_pages: l.ready_pages, limit_pages: l.limit_pages })
     }
 
@@ -561,7 +533,7 @@ impl PyIndex {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let ns = namespace_bytes(namespace)?;
-        self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| ix.verify(request_id, &ns, t))
+        self.with_ids(py, token_ids, |ix, t| ix.verify(request_id, &ns, t))
     }
 
     /// A hit could not be resumed now (no GPU blocks); nothing is touched.
@@ -598,18 +570,9 @@ impl PyIndex {
         let seq_len: Option<usize> = seq_len.map(|v| non_negative("seq_len", v)).transpose()?;
         let table = block_table.map(|b| int32s(b, "block_table")).transpose()?;
         let bt = table.as_ref().map(|t| t.as_slice());
-        let plan = self.with_prompt(py, request_id, token_ids, Check::Full, |ix, t| {
+        let plan = self.with_ids(py, token_ids, |ix, t| {
             if let Some(bt) = bt {
-                let full = t.len() / ix.config().block_size;
-                if bt.len() < full {
-                    return Err(invalid(format!(
-                        "block_table has {} blocks, the prompt has {full} full blocks",
-                        bt.len()
-                    )));
-                }
-                if let Some(i) = bt[..full].iter().position(|&b| b < 0) {
-                    return Err(invalid(format!("block_table[{i}] = {} is negative", bt[i])));
-                }
+                full_blocks(bt, t.len(), ix.config().block_size, "block_table")?;
             }
             ix.plan_store(request_id, &ns, t, seq_len.unwrap_or(t.len()))
         })?;

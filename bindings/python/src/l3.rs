@@ -1,17 +1,16 @@
-//! `kvtier._core.L3Planner` (the L3 tier's planning and jobs, rust/l3plan.rs), `ObjectPath` (the one object path,
-//! rust/l3path.rs) and the Python Store client as the core's `Store`.
+//! `kvtier._core.L3Planner` (the L3 tier's planning and jobs, rust/l3/plan.rs), `ObjectPath` (the one object path,
+//! rust/l3/path.rs) and the Python Store client as the core's `Store`.
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::index::{PyIndex, PyReady};
-use super::objects::PyObjectFormat;
-use super::{namespace_bytes, non_negative, to_py};
-use crate::l3;
-use crate::l3path::{self, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
-use crate::l3plan::{Fetched, HostLayout, Planner, Tier};
+use crate::index::{PyIndex, PyReady};
+use crate::objects::PyObjectFormat;
+use crate::{bad_argument, namespace_bytes, non_negative, to_py};
+use kvtier::l3;
+use kvtier::l3::path::{self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
+use kvtier::l3::plan::{Fetched, HostLayout, Planner, Tier};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyL3Planner>()?;
@@ -57,7 +56,7 @@ fn part_digests<'py>(
     py: Python<'py>,
     data: numpy::PyReadonlyArray1<'py, u8>,
 ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-    let bytes = data.as_slice().map_err(|_| PyTypeError::new_err("part_digests needs a contiguous uint8 array"))?;
+    let bytes = data.as_slice().map_err(|_| bad_argument("part_digests needs a contiguous uint8 array"))?;
     let parts = py.detach(|| l3::part_digests(bytes));
     Ok(pyo3::types::PyBytes::new(py, &parts.concat()))
 }
@@ -186,7 +185,7 @@ fn counters(py: Python<'_>, path: &ObjectPath) -> PyResult<Py<PyDict>> {
 /// The one L3 object path of an engine's own objects, each one page under the engine's page hash (SGLang's
 /// HiCache pages, vLLM's CPU chunks): batching, header slots, staging (`staging_bytes`; None moves objects
 /// zero-copy), sealing, the check of what a get read and the removal of objects that fail it run in the core
-/// (rust/l3path.rs), with the GIL released but for the Store's own calls.
+/// (rust/l3/path.rs), with the GIL released but for the Store's own calls.
 #[pyclass(name = "ObjectPath", module = "kvtier._core", frozen)]
 pub struct PyObjectPath {
     inner: ObjectPath,
@@ -197,7 +196,7 @@ type Pieces = Vec<Vec<(usize, usize)>>;
 
 fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
     if hashes.len() != pieces.len() {
-        return Err(PyValueError::new_err(format!(
+        return Err(bad_argument(format!(
             "need the pieces of {} pages, got {} piece lists",
             hashes.len(),
             pieces.len()
@@ -293,7 +292,7 @@ pub struct PyFetchReport {
     get_s: f64,
 }
 
-/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3plan.rs.
+/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3/plan.rs.
 ///
 /// `page_base` / `state_base` are the addresses of the host pools (`HostPool.base_ptr`): the caller keeps the
 /// pools alive, and their memory in place, for as long as the planner lives.
@@ -344,7 +343,7 @@ impl PyL3Planner {
         let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
         let largest = l3::HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
         if let Some(bytes) = staging.filter(|&b| b < largest) {
-            return Err(PyValueError::new_err(format!(
+            return Err(bad_argument(format!(
                 "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of {} bytes \
                  and a header), got {bytes}",
                 host.page_bytes

@@ -2,81 +2,26 @@
 //! with the GIL released; the engine's callbacks (allocate, its state kernels) and reading a prompt held as a
 //! Python list take it back for as long as they run. The first Python exception a callback or a prompt raised is
 //! what the call raises, once the core has aborted whatever it had planned.
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 
-use super::copy::PyPageCopier;
-use super::index::{PyIndex, PyReady};
-use super::{namespace_bytes, non_negative, to_py, Prompt as PyPromptIds, Window};
-use crate::cache::{Allocation, Cache, Hooks, Prompt, Request, Resumed, Stored};
-use crate::chain::{Check, TokenIds};
-use crate::error::{Error, Result};
-use crate::executor::Executor;
+use crate::copy::PyPageCopier;
+use crate::index::{PyIndex, PyReady};
+use crate::{
+    bad_argument, lock, namespace_bytes, non_negative, raised_by, to_py, with_prompt, Ids, KvtierError, NeverType,
+    Raised,
+};
+use kvtier::cache::{Allocation, Cache, Hooks, Request, Resumed, Stored};
+use kvtier::error::{Error, Result};
+use kvtier::executor::{block_table, Executor};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
     Ok(())
-}
-
-/// The first Python exception of a call, kept while the core unwinds (an `Error::Hook` stands for it there).
-#[derive(Default)]
-struct Raised(Option<PyErr>);
-
-impl Raised {
-    fn keep(&mut self, e: PyErr) -> Error {
-        let msg = e.to_string();
-        self.0.get_or_insert(e);
-        Error::Hook(msg)
-    }
-
-    /// The call's outcome for Python: the kept exception, else the core's error mapped.
-    fn result<T>(self, r: Result<T>) -> PyResult<T> {
-        match (r, self.0) {
-            (Ok(v), _) => Ok(v),
-            (Err(_), Some(e)) => Err(e),
-            (Err(e), None) => Err(to_py(e)),
-        }
-    }
-}
-
-/// A prompt's ids for the core: an array read in place, or a list or tuple read as the call needs it.
-enum Ids<'a> {
-    Array(&'a (dyn TokenIds + Sync)),
-    Items { seq: Py<PyAny>, block_size: usize, window: Option<(Check, Window)>, raised: &'a Mutex<Raised> },
-}
-
-impl Prompt for Ids<'_> {
-    fn ids(&mut self, check: Check, hashed: usize) -> Result<&dyn TokenIds> {
-        match self {
-            Ids::Array(a) => Ok(*a),
-            Ids::Items { seq, block_size, window, raised } => {
-                if !matches!(window, Some((Check::Full, _))) && window.as_ref().is_none_or(|w| w.0 != check) {
-                    let read = Python::attach(|py| {
-                        let seq = seq.bind(py);
-                        let n = seq.len()?;
-                        let bs = *block_size;
-                        let ranges = if check == Check::Full || hashed == 0 || hashed > n {
-                            [0..n, 0..0, 0..0]
-                        } else {
-                            [0..bs, hashed - bs..hashed, hashed..n]
-                        };
-                        Window::read(seq, &ranges)
-                    });
-                    let w = read.map_err(|e| lock(raised).keep(e))?;
-                    *window = Some((check, w));
-                }
-                Ok(&window.as_ref().expect("read above").1)
-            }
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The engine's callbacks of one call.
@@ -90,8 +35,9 @@ struct PyHooks<'a> {
 impl PyHooks<'_> {
     fn state_call(&self, f: &Option<Py<PyAny>>, row: usize, boundary: usize) -> Result<()> {
         Python::attach(|py| {
-            let f = f.as_ref().ok_or_else(|| PyValueError::new_err("this cache has no state callbacks"))?;
-            let rows = self.cache.staging.as_ref().ok_or_else(|| PyValueError::new_err("no staging rows"))?;
+            let f = f.as_ref().ok_or_else(|| KvtierError::new_err("this cache has no state callbacks"))?;
+            let rows =
+                self.cache.staging.as_ref().ok_or_else(|| KvtierError::new_err("this cache has no staging rows"))?;
             let row = rows.bind(py).get_item(row)?;
             let state = self.state.as_ref().map(|s| s.clone_ref(py)).unwrap_or_else(|| py.None());
             f.bind(py).call1((state, boundary, row)).map(drop)
@@ -104,15 +50,15 @@ impl Hooks for PyHooks<'_> {
     fn allocate(&mut self) -> Result<Allocation> {
         let allocate = self.allocate.as_ref().expect("resume passes allocate");
         Python::attach(|py| -> PyResult<Allocation> {
-            let table = match allocate.bind(py).call0() {
-                Err(e) if e.is_instance_of::<PyRuntimeError>(py) => return Ok(Allocation::Never),
-                other => other?,
-            };
+            let table = allocate.bind(py).call0().map_err(|e| raised_by(py, "allocate()", e))?;
             if table.is_none() {
                 return Ok(Allocation::NotNow);
             }
+            if table.is_instance_of::<NeverType>() {
+                return Ok(Allocation::Never);
+            }
             if table.is_instance_of::<PyBool>() {
-                return Err(PyTypeError::new_err("allocate() must return the block table or None, got a bool"));
+                return Err(bad_argument("allocate() must return the block table or None, got a bool"));
             }
             block_ids(&table, "allocate()'s block table", self.cache.num_blocks).map(Allocation::Blocks)
         })
@@ -127,33 +73,38 @@ impl Hooks for PyHooks<'_> {
 }
 
 /// GPU block ids as the engine holds them (a list or tuple of ints, a 1-D integer numpy array, a CPU tensor
-/// through numpy), as int32. An id int32 cannot hold is refused here (naming the pool's `num_blocks`); the core
-/// checks the ids a call uses against the pool.
+/// through numpy), as the core's `block_table` takes them.
 pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> PyResult<Vec<i32>> {
     let py = obj.py();
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        let mut out = Vec::with_capacity(obj.len()?);
-        for (i, item) in obj.try_iter()?.enumerate() {
-            let item = item?;
+        // A subclass's own __len__ and __iter__ run here: what they raise is the caller's.
+        let raised = |e| raised_by(py, what, e);
+        let mut out = Vec::with_capacity(obj.len().map_err(raised)?);
+        for (i, item) in obj.try_iter().map_err(raised)?.enumerate() {
+            let item = item.map_err(raised)?;
             let v: i64 = if item.is_instance_of::<PyBool>() { None } else { item.extract().ok() }.ok_or_else(|| {
                 let ty = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                PyTypeError::new_err(format!("{what}[{i}] must be an int, got {ty} {item:?}"))
+                bad_argument(format!("{what}[{i}] must be an int, got {ty} {item:?}"))
             })?;
-            out.push(block_id(v, what, num_blocks)?);
+            out.push(v);
         }
-        return Ok(out);
+        return block_table(out, what, num_blocks).map_err(to_py);
     }
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!("{what} must be a sequence of ints or an integer array, got str")));
+        return Err(bad_argument(format!("{what} must be a sequence of ints or an integer array, got str")));
     }
     let ty = obj.get_type().name()?.to_string();
-    let not_ids = |why: String| {
-        PyTypeError::new_err(format!("{what} must be a sequence of ints or an integer array, got {ty}{why}"))
-    };
+    let not_ids =
+        |why: String| bad_argument(format!("{what} must be a sequence of ints or an integer array, got {ty}{why}"));
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(a) => a.clone(),
         Err(_) => {
-            let view = py.import("numpy")?.getattr("asarray")?.call1((obj,)).map_err(|e| not_ids(format!(" ({e})")))?;
+            // numpy reads the object through its own __len__, __iter__ or __array__: what they raise is the cause.
+            let view = py.import("numpy")?.getattr("asarray")?.call1((obj,)).map_err(|e| {
+                let out = not_ids(format!(" ({e})"));
+                out.set_cause(py, Some(e));
+                out
+            })?;
             let view = view.cast_into::<PyUntypedArray>().map_err(|e| not_ids(format!(" ({e})")))?;
             if !matches!(view.dtype().kind(), b'i' | b'u') {
                 return Err(not_ids(format!(" (of dtype {})", view.dtype())));
@@ -162,20 +113,14 @@ pub(super) fn block_ids(obj: &Bound<'_, PyAny>, what: &str, num_blocks: u32) -> 
         }
     };
     if !matches!(arr.dtype().kind(), b'i' | b'u') {
-        return Err(PyTypeError::new_err(format!("{what} must hold integers, got dtype {}", arr.dtype())));
+        return Err(bad_argument(format!("{what} must hold integers, got dtype {}", arr.dtype())));
     }
     if arr.ndim() != 1 {
-        return Err(PyValueError::new_err(format!("{what} must be 1-D, got shape {:?}", arr.shape())));
+        return Err(bad_argument(format!("{what} must be 1-D, got shape {:?}", arr.shape())));
     }
     let wide = arr.call_method1("astype", ("int64",))?;
     let wide = wide.cast::<PyArray1<i64>>()?.try_readonly()?;
-    wide.as_array().iter().map(|&v| block_id(v, what, num_blocks)).collect()
-}
-
-fn block_id(v: i64, what: &str, num_blocks: u32) -> PyResult<i32> {
-    i32::try_from(v).ok().filter(|&b| b >= 0).ok_or_else(|| {
-        PyValueError::new_err(format!("{what}: block id {v} is outside the GPU pool of {num_blocks} blocks"))
-    })
+    block_table(wide.as_array().iter().copied(), what, num_blocks).map_err(to_py)
 }
 
 /// The engine calls of one cache: its index (shared with an L3 tier) and its executor (the host pools' copiers,
@@ -205,16 +150,7 @@ impl PyCache {
         token_ids: &Bound<'_, PyAny>,
         f: impl for<'a> FnOnce(&Cache, &mut Ids<'a>, &'a Mutex<Raised>) -> Result<R> + Send,
     ) -> PyResult<R> {
-        let raised = Mutex::new(Raised::default());
-        let out = match PyPromptIds::of(token_ids)? {
-            PyPromptIds::Array(a) => a.with(|ids| py.detach(|| f(self.cache(), &mut Ids::Array(ids), &raised))),
-            PyPromptIds::Items(seq) => {
-                let mut ids =
-                    Ids::Items { seq: seq.unbind(), block_size: self.block_size, window: None, raised: &raised };
-                py.detach(|| f(self.cache(), &mut ids, &raised))
-            }
-        };
-        raised.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner).result(out)
+        with_prompt(py, token_ids, self.block_size, |ids, raised| f(self.cache(), ids, raised))
     }
 }
 
@@ -244,7 +180,7 @@ impl PyCache {
         staging_rows: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let shared = Arc::clone(index.get().shared());
-        let block_size = crate::cache::lock(&shared).config().block_size;
+        let block_size = kvtier::cache::lock(&shared).config().block_size;
         let exec = Executor::new(
             pages.copier(),
             parts.map(PyPageCopier::copier),
@@ -257,7 +193,7 @@ impl PyCache {
         if inner.executor().states().is_some()
             && (select_state.is_none() || load_state.is_none() || staging_rows.is_none())
         {
-            return Err(PyValueError::new_err("a cache with states needs select_state, load_state and staging_rows"));
+            return Err(bad_argument("a cache with states needs select_state, load_state and staging_rows"));
         }
         let num_blocks = inner.executor().pages().pool().num_blocks;
         Ok(Self { inner, index, block_size, num_blocks, select_state, load_state, staging: staging_rows })
@@ -304,7 +240,7 @@ impl PyCache {
     /// A seam for fault tests: `fault()` is called before each copy batch, and a true answer makes the batch fail
     /// as a failed launch does (CopyError). None removes it.
     fn set_copy_fault(&self, fault: Option<Py<PyAny>>) {
-        let hook = fault.map(|f| -> crate::executor::CopyFault {
+        let hook = fault.map(|f| -> kvtier::executor::CopyFault {
             Box::new(move || {
                 Python::attach(|py| f.bind(py).call0().and_then(|r| r.is_truthy()))
                     .map_err(|e| Error::Hook(e.to_string()))
@@ -333,7 +269,7 @@ impl PyCache {
         fetch_group_pages: Option<i64>,
     ) -> PyResult<i64> {
         if !allocate.bind(py).is_callable() {
-            return Err(PyTypeError::new_err(format!(
+            return Err(bad_argument(format!(
                 "allocate must be callable, got {}",
                 allocate.bind(py).get_type().name()?
             )));
@@ -432,13 +368,13 @@ fn count(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     let n = if v.is_instance_of::<PyBool>() { None } else { v.extract::<i64>().ok() };
     match n {
         Some(n) if n >= 0 => non_negative(what, n),
-        Some(_) => Err(PyValueError::new_err(format!("{what} must be in [0, 2**63), got {v:?}"))),
+        Some(_) => Err(bad_argument(format!("{what} must be in [0, 2**63), got {v:?}"))),
         None if v.is_instance_of::<pyo3::types::PyInt>() && !v.is_instance_of::<PyBool>() => {
-            Err(PyValueError::new_err(format!("{what} must be in [0, 2**63), got {v:?}")))
+            Err(bad_argument(format!("{what} must be in [0, 2**63), got {v:?}")))
         }
         None => {
             let ty = v.get_type().name()?.to_string();
-            Err(PyTypeError::new_err(format!("{what} must be an int, got {ty} {v:?}")))
+            Err(bad_argument(format!("{what} must be an int, got {ty} {v:?}")))
         }
     }
 }
@@ -446,5 +382,5 @@ fn count(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// An engine's layer index: an int, not a bool.
 fn layer_index(layer: &Bound<'_, PyAny>) -> PyResult<i64> {
     let l = if layer.is_instance_of::<PyBool>() { None } else { layer.extract::<i64>().ok() };
-    l.ok_or_else(|| PyValueError::new_err(format!("layer must be an int, got {layer:?}")))
+    l.ok_or_else(|| bad_argument(format!("layer must be an int, got {layer:?}")))
 }
