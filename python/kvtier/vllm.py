@@ -23,8 +23,8 @@ connector passes between them, the chunk ids in the load/store specs. So:
 
 The extra config (or the ``KVTIER_*`` variables) may give the kvtier settings of scope ``vllm`` in
 ``kvtier.settings``: ``host_bytes``, ``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``,
-``copy_ctas``, ``copy_streams``. Any bad value raises ``kvtier.BadArgument`` (a ``ValueError``) naming it when vLLM builds the
-spec.
+``copy_ctas``, ``copy_streams``. Any bad value raises ``kvtier.BadArgument`` (a ``ValueError``) naming it when vLLM
+builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
