@@ -44,5 +44,8 @@ def install_hint(extra: str) -> str:
 
 
 def l3_install_hint() -> str:
-    """What to install for the L3 tier: Mooncake, whose CUDA build does not import on a machine without CUDA."""
-    return f"{install_hint('l3')} ({install_hint('l3-cpu')} on a machine without CUDA)"
+    """What to install for the L3 tier: Mooncake, whose CUDA builds import only beside their own CUDA release."""
+    return (
+        f"{install_hint('l3')} ({install_hint('l3-cuda13')} with CUDA 13; {install_hint('l3-cpu')} on a machine "
+        "without CUDA)"
+    )

@@ -172,7 +172,8 @@ def _find_binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         raise MooncakeServerError(
-            f"{name} not found on PATH; install mooncake-transfer-engine (or -non-cuda on machines without CUDA)"
+            f"{name} not found on PATH; install mooncake-transfer-engine (-cuda13 with CUDA 13, -non-cuda on "
+            "machines without CUDA)"
         )
     return path
 
