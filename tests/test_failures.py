@@ -308,6 +308,7 @@ def test_every_setting_is_the_caches_and_the_adapters_take_theirs() -> None:
         "event_buffer",
         "copy_method",
         "copy_crossover_bytes",
+        "copy_ctas",
         "copy_streams",
     )
     l3 = {"hash_key", "model_version", "l3_master", "l3_metadata_server", "l3_protocol", "l3_local_hostname"}
