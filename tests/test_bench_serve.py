@@ -129,3 +129,14 @@ def test_kvtier_configurations_name_kvtiers_spec_and_the_same_host_bytes() -> No
     assert (l3["spec_name"], l3["spec_module_path"]) == ("KvtierTieringSpec", "kvtier.vllm")
     assert l3["secondary_tiers"][0]["type"] == "KvtierMooncakeTier"
     assert l3["secondary_tiers"][0]["l3_master"] == "127.0.0.1:50051"
+
+
+def test_a_repeated_turn_is_its_median_with_every_run_kept() -> None:
+    def run(s: float, tier: int, token: int) -> dict[str, object]:
+        return {"s": s, "tokens": [[token]], "prompt_tokens": 64, "gpu_hit_tokens": 16, "tier_hit_tokens": tier}
+
+    out = serve.repeated([run(0.5, 48, 1), run(0.3, 48, 2), run(0.9, 32, 3)])
+    assert out["s"] == 0.5 and out["runs_s"] == [0.5, 0.3, 0.9]
+    assert out["tokens"] == [[[1]], [[2]], [[3]]]
+    # The fewest hit tokens of any run: one run that missed is not hidden by the others.
+    assert (out["prompt_tokens"], out["gpu_hit_tokens"], out["tier_hit_tokens"]) == (64, 16, 32)

@@ -9,7 +9,8 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   the prefixes; `reset_prefix_cache()` then empties the GPU's prefix cache, so turn 2 (the same prefixes, 32 other
   new tokens) is served by the offloading tier or recomputed. The no-offloading process also times turn 2 without
   the reset (a GPU prefix-cache hit) and measures pinned host -> device memcpy: the floor of a host hit is the GPU
-  hit plus the prefix bytes at memcpy speed.
+  hit plus the prefix bytes at memcpy speed. Turn 2 and the GPU hit run `--repeats` times (other new tokens each
+  time, the GPU's prefix cache reset before each turn 2); their medians are reported.
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -239,32 +240,51 @@ def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one timed turn as one: the median seconds (``s``), each run's seconds and token ids, and the fewest
+    tokens any run took from the GPU and from the offloading tier."""
+    return {
+        "s": statistics.median(r["s"] for r in runs),
+        "runs_s": [r["s"] for r in runs],
+        "tokens": [r["tokens"] for r in runs],
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "gpu_hit_tokens": min(r["gpu_hit_tokens"] for r in runs),
+        "tier_hit_tokens": min(r["tier_hit_tokens"] for r in runs),
+    }
+
+
 def run_prefix(hits: Hits, config: str, args: dict[str, Any], turns: str = "12") -> list[dict[str, Any]]:
-    """The prefix workload's rows (see the module's text); ``turns`` '1' or '2' runs one turn (the l3 workload)."""
+    """The prefix workload's rows (see the module's text); ``turns`` '1' or '2' runs one turn once (the l3
+    workload, whose turn 2 must be the new instance's first)."""
     import numpy as np
 
     llm = hits.llm
+    repeats = args["repeats"] if turns == "12" else 1
     rows = []
     for length, count in parse_lengths(args["lengths"]):
         rng = np.random.default_rng([length, count, 1])
         prefixes = [tokens(rng, length) for _ in range(count)]
-        suffixes = [[tokens(rng, NEW_TOKENS) for _ in range(count)] for _ in range(3)]
+        suffixes = [[tokens(rng, NEW_TOKENS) for _ in range(count)] for _ in range(1 + 2 * repeats)]
         turn = [[p + s for p, s in zip(prefixes, suffix, strict=True)] for suffix in suffixes]
         row: dict[str, Any] = {"length": length, "prompts": count, "prefix_bytes": length * count * args["kv_bytes"]}
         if "1" in turns:
             row["turn1"] = hits.generate(turn[0], OUTPUT_TOKENS)
             if config == "none":
                 # A GPU prefix-cache hit: turn 2 right after turn 1.
-                row["gpu_hit"] = hits.generate(turn[1], OUTPUT_TOKENS)
+                row["gpu_hit"] = repeated([hits.generate(turn[1 + r], OUTPUT_TOKENS) for r in range(repeats)])
             if turns == "1":
                 row["drain_s"] = drain(hits)
-            if not llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache")
-            time.sleep(args["think_s"])
         if "2" in turns:
-            row["turn2"] = hits.generate(turn[2], OUTPUT_TOKENS)
-            if not llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache")
+            runs = []
+            for r in range(repeats):
+                if "1" in turns:
+                    if not llm.reset_prefix_cache():
+                        raise RuntimeError("vLLM refused to reset its prefix cache")
+                    time.sleep(args["think_s"])
+                runs.append(hits.generate(turn[1 + repeats + r], OUTPUT_TOKENS))
+            row["turn2"] = repeated(runs)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
         rows.append(row)
     return rows
 
@@ -460,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b-8l", help="the model shape of the trace")
     ap.add_argument("--lengths", default="4096x16,16384x4,32000x2", help="prefix workload: TOKENSxPROMPTS, ...")
     ap.add_argument("--noreuse", default="4096x32", help="the no-reuse workload's TOKENSxPROMPTS ('' skips it)")
-    ap.add_argument("--repeats", type=at_least(1), default=3, help="no-reuse runs; the median is reported")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="runs of no reuse, turn 2, GPU hit (medians)")
     ap.add_argument("--host-gib", type=positive(float), default=16.0, help="host bytes of every offloading tier")
     ap.add_argument("--trace-host-gib", type=positive(float), default=8.0, help="host bytes for the trace")
     from kvtier.tools.bench.trace import SHIPPED_TRACE
