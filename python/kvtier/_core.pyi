@@ -253,7 +253,7 @@ class Index:
     def state_slot(self, key: int) -> int | None: ...
     def check(self) -> None: ...
 
-# ---- L3: planning, the one object path, Store codes (bindings/python/src/l3.rs, bindings/python/src/objects.rs) ------------------------
+# ---- L3: planning, the one object path, Store codes (bindings/python/src/l3.rs, bindings/python/src/objects.rs) ------
 
 L3_FORMAT_VERSION: Final[int]
 L3_HEADER_BYTES: Final[int]
@@ -324,10 +324,8 @@ class L3Planner:
         fingerprint: str,
         *,
         group_pages: int,
-        page_base: int,
-        page_bytes: int,
-        state_base: int = 0,
-        state_bytes: int = 0,
+        pages: HostPool,
+        states: HostPool | None = None,
         hash_key: str | bytes | None = None,
         seen_keys: int = ...,
         scratch_pages: int | None = None,
@@ -367,7 +365,7 @@ class ObjectPath:
     def put(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
     def get(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
 
-# ---- page copies (bindings/python/src/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) ----------------
+# ---- page copies (bindings/python/src/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) -------------
 
 @final
 class HostPool:
@@ -469,7 +467,7 @@ class CopyEvent:
     def done(self) -> bool: ...
     def synchronize(self) -> None: ...
 
-# ---- engine calls (bindings/python/src/cache.rs over rust/cache.rs): one call into the core each ---------------------------
+# ---- engine calls (bindings/python/src/cache.rs over rust/cache.rs): one call into the core each ---------------------
 
 @final
 class Cache:

@@ -28,6 +28,12 @@ pub struct PyHostPool {
     inner: Arc<HostPool>,
 }
 
+impl PyHostPool {
+    pub(crate) fn pool(&self) -> &Arc<HostPool> {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl PyHostPool {
     #[new]

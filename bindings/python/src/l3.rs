@@ -6,12 +6,13 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::copy::PyHostPool;
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
 use crate::{namespace_bytes, non_negative, to_py};
 use kvtier::l3;
 use kvtier::l3::path::{self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
-use kvtier::l3::plan::{Fetched, HostLayout, Planner, Tier};
+use kvtier::l3::plan::{Fetched, HostPools, Planner, Tier};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyL3Planner>()?;
@@ -293,10 +294,8 @@ pub struct PyFetchReport {
     get_s: f64,
 }
 
-/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3/plan.rs.
-///
-/// `page_base` / `state_base` are the addresses of the host pools (`HostPool.base_ptr`): the caller keeps the
-/// pools alive, and their memory in place, for as long as the planner lives.
+/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3/plan.rs. It holds
+/// the pools: every address it hands the Store lies in slots they have backed.
 #[pyclass(name = "L3Planner", module = "kvtier._core", frozen)]
 pub struct PyL3Planner {
     index: Py<PyIndex>,
@@ -314,42 +313,27 @@ impl PyL3Planner {
 #[pymethods]
 impl PyL3Planner {
     #[new]
-    #[pyo3(signature = (index, fingerprint, *, group_pages, page_base, page_bytes, state_base=0, state_bytes=0,
-        hash_key=None, seen_keys=1 << 20, scratch_pages=None, staging_bytes=None))]
+    #[pyo3(signature = (index, fingerprint, *, group_pages, pages, states=None, hash_key=None, seen_keys=1 << 20,
+        scratch_pages=None, staging_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
         fingerprint: &str,
         group_pages: i64,
-        page_base: i64,
-        page_bytes: i64,
-        state_base: i64,
-        state_bytes: i64,
+        pages: &PyHostPool,
+        states: Option<&PyHostPool>,
         hash_key: Option<&Bound<'_, PyAny>>,
         seen_keys: i64,
         scratch_pages: Option<i64>,
         staging_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let group_pages: usize = non_negative("group_pages", group_pages)?;
-        let host = HostLayout {
-            page_base: non_negative("page_base", page_base)?,
-            page_bytes: non_negative("page_bytes", page_bytes)?,
-            state_base: non_negative("state_base", state_base)?,
-            state_bytes: non_negative("state_bytes", state_bytes)?,
-        };
+        let host = HostPools { pages: pages.pool().clone(), states: states.map(|s| s.pool().clone()) };
         let scratch = match scratch_pages {
             Some(v) => non_negative("scratch_pages", v)?,
             None => 2 * group_pages,
         };
         let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
-        let largest = l3::HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
-        if let Some(bytes) = staging.filter(|&b| b < largest) {
-            return Err(PyValueError::new_err(format!(
-                "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of {} bytes \
-                 and a header), got {bytes}",
-                host.page_bytes
-            )));
-        }
         let planner = Planner::new(
             fingerprint,
             &namespace_bytes(hash_key)?,
@@ -359,7 +343,7 @@ impl PyL3Planner {
             scratch,
         )
         .map_err(to_py)?;
-        let path = ObjectPath::new(staging).map_err(to_py)?;
+        let path = planner.object_path(staging).map_err(to_py)?;
         Ok(Self { index, inner: Mutex::new(planner), path, group_pages })
     }
 
@@ -371,14 +355,10 @@ impl PyL3Planner {
     fn group_pages(&self) -> usize {
         self.group_pages
     }
-    /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
-    /// header slots and the scratch pages (and then the host pools too).
+    /// `(address, bytes)` of the memory the Store must have registered: the staging buffers, or zero-copy the host
+    /// pools, the header slots and the scratch pages.
     fn buffers(&self) -> Vec<(usize, usize)> {
-        let mut out = self.path.buffers();
-        if self.path.zero_copy() {
-            out.push(locked(&self.inner).scratch());
-        }
-        out
+        locked(&self.inner).registered(&self.path)
     }
     /// Whether objects move straight from and into the host pools (the Store then registers them).
     #[getter]
