@@ -111,6 +111,35 @@ pub struct Object {
     pub pages: Vec<Key>,
 }
 
+/// The memory an engine's objects may move from and into: `(address, bytes)` ranges its owner registered (the
+/// host pool an engine keeps its pages in, a buffer held for one call). Every piece of every object must lie
+/// inside one of them before the path reads or writes it.
+#[derive(Clone, Debug, Default)]
+pub struct Regions(Vec<(usize, usize)>);
+
+impl Regions {
+    pub fn add(&mut self, addr: usize, bytes: usize) {
+        self.0.push((addr, bytes));
+    }
+
+    /// Refuses the first piece that lies outside every region, naming its object and where it is.
+    pub fn check(&self, objects: &[Object]) -> Result<()> {
+        let inside = |&(p, n): &(usize, usize)| {
+            self.0.iter().any(|&(start, len)| p >= start && p.checked_add(n).is_some_and(|end| end <= start + len))
+        };
+        for (i, o) in objects.iter().enumerate() {
+            if let Some(&(p, n)) = o.pieces.iter().find(|piece| !inside(piece)) {
+                return Err(invalid(format!(
+                    "object {i} ({}): its piece of {n} bytes at {p:#x} lies outside the memory registered with the \
+                     object path",
+                    o.key
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Object {
     /// Bytes of the object in the Store: header and payload.
     pub fn bytes(&self) -> usize {
@@ -593,6 +622,27 @@ pub(crate) mod test_store {
 #[cfg(test)]
 mod tests {
     use super::test_store::MapStore;
+
+    #[test]
+    fn a_piece_outside_the_registered_memory_is_refused() {
+        let object = |pieces: Vec<(usize, usize)>| Object {
+            key: "k".into(),
+            chain_key: 1,
+            kind: ObjectKind::Group,
+            pieces,
+            pages: vec![1],
+        };
+        let mut regions = Regions::default();
+        regions.add(0x1000, 0x100);
+        regions.add(0x4000, 0x10);
+        let inside = [object(vec![(0x1000, 0x100)]), object(vec![(0x1080, 0x10), (0x4000, 0x10)])];
+        regions.check(&inside).unwrap();
+        for bad in [(0x1000, 0x101), (0xff0, 0x20), (0x4008, 0x10), (0x2000, 1), (usize::MAX, 2)] {
+            let err = regions.check(&[inside[0].clone(), object(vec![(0x1000, 1), bad])]).unwrap_err();
+            assert!(err.to_string().starts_with("object 1 (k): its piece of"), "{err}");
+        }
+        assert!(Regions::default().check(&inside).is_err(), "nothing registered: nothing moves");
+    }
     use super::*;
 
     fn objects(pages: &mut [Vec<u8>]) -> Vec<Object> {

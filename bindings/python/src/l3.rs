@@ -7,11 +7,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::copy::PyHostPool;
+use crate::dlpack::host_region;
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
 use crate::{namespace_bytes, non_negative, to_py};
 use kvtier::l3;
-use kvtier::l3::path::{self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
+use kvtier::l3::path::{
+    self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Regions, Store,
+};
 use kvtier::l3::plan::{Fetched, HostPools, Planner, Tier};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -191,10 +194,35 @@ fn counters(py: Python<'_>, path: &ObjectPath) -> PyResult<Py<PyDict>> {
 #[pyclass(name = "ObjectPath", module = "kvtier._core", frozen)]
 pub struct PyObjectPath {
     inner: ObjectPath,
+    /// The memory objects may move from and into (`add_memory`), and the DLPack capsules that keep it alive.
+    memory: Mutex<(Regions, Vec<Py<PyAny>>)>,
 }
 
 /// `(address, bytes)` payload pieces of each page, checked once at the boundary.
 type Pieces = Vec<Vec<(usize, usize)>>;
+
+impl PyObjectPath {
+    /// The engine's objects of one call, their pieces checked against the registered memory and `memory`, and
+    /// the capsules that hold `memory` for the call.
+    fn objects(
+        &self,
+        fmt: &PyObjectFormat,
+        hashes: Vec<String>,
+        pieces: Pieces,
+        memory: &[Bound<'_, PyAny>],
+    ) -> PyResult<(Vec<Object>, Vec<Py<PyAny>>)> {
+        let objects = engine_objects(fmt, hashes, pieces)?;
+        let mut regions = locked(&self.memory).0.clone();
+        let mut held = Vec::with_capacity(memory.len());
+        for (i, m) in memory.iter().enumerate() {
+            let ((addr, bytes), owner) = host_region(m, &format!("memory[{i}]"))?;
+            regions.add(addr, bytes);
+            held.push(owner);
+        }
+        regions.check(&objects).map_err(to_py)?;
+        Ok((objects, held))
+    }
+}
 
 fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
     if hashes.len() != pieces.len() {
@@ -224,7 +252,16 @@ impl PyObjectPath {
     #[pyo3(signature = (*, staging_bytes=None))]
     fn new(staging_bytes: Option<i64>) -> PyResult<Self> {
         let staging = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
-        Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)? })
+        Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)?, memory: Mutex::default() })
+    }
+    /// Registers host memory objects may move from and into (a CPU tensor or array with `__dlpack__`: an engine's
+    /// host pool), held for the path's life. Every piece a put or get names must lie inside registered memory.
+    fn add_memory(&self, memory: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ((addr, bytes), owner) = host_region(memory, "memory")?;
+        let mut m = locked(&self.memory);
+        m.0.add(addr, bytes);
+        m.1.push(owner);
+        Ok(())
     }
     /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
     /// header slots (and then the pages' memory too).
@@ -239,8 +276,10 @@ impl PyObjectPath {
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         counters(py, &self.inner)
     }
-    /// Puts each page (its engine hash, its payload `(address, bytes)` pieces, kept alive and unwritten by the
-    /// caller for the call) as one object sealed by `fmt`, unless the Store has it: one `Outcome` a page.
+    /// Puts each page (its engine hash, its payload `(address, bytes)` pieces, unwritten by the caller for the
+    /// call) as one object sealed by `fmt`, unless the Store has it: one `Outcome` a page. Each piece must lie in
+    /// registered memory (`add_memory`) or in `memory`, buffers held for this call.
+    #[pyo3(signature = (store, fmt, hashes, pieces, *, memory=Vec::new()))]
     fn put(
         &self,
         py: Python<'_>,
@@ -248,13 +287,16 @@ impl PyObjectPath {
         fmt: &PyObjectFormat,
         hashes: Vec<String>,
         pieces: Pieces,
+        memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
-        let objects = engine_objects(fmt, hashes, pieces)?;
+        let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
         let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }
-    /// Gets each page's object into its pieces (the caller's to write for the call) and checks it with `fmt`; an
-    /// object that fails is removed from the Store. One `Outcome` a page.
+    /// Gets each page's object into its pieces (the caller's to write for the call; in registered memory or in
+    /// `memory`, as for `put`) and checks it with `fmt`; an object that fails is removed from the Store. One
+    /// `Outcome` a page.
+    #[pyo3(signature = (store, fmt, hashes, pieces, *, memory=Vec::new()))]
     fn get(
         &self,
         py: Python<'_>,
@@ -262,8 +304,9 @@ impl PyObjectPath {
         fmt: &PyObjectFormat,
         hashes: Vec<String>,
         pieces: Pieces,
+        memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
-        let objects = engine_objects(fmt, hashes, pieces)?;
+        let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
         let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }

@@ -15,6 +15,7 @@ use kvtier::index::chain::{bad_token, Check, TokenIds, Window, TOKEN_LIMIT};
 
 mod cache;
 mod copy;
+mod dlpack;
 mod index;
 mod l3;
 mod objects;
