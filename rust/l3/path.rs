@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::error::{invalid, Result};
-use crate::index::chain::Key;
-use crate::l3::{ObjectFormat, ObjectKind, Reject, HEADER_BYTES};
+use crate::index::chain::{engine_page_keys, Key};
+use crate::l3::{group_key_string, ObjectFormat, ObjectKind, Reject, HEADER_BYTES};
 
 /// Objects one Store call moves at most: the header slots of each direction (SGLang's HiCache batches 128 pages;
 /// a larger plan takes several calls).
@@ -109,6 +109,58 @@ pub struct Object {
     pub pieces: Vec<(usize, usize)>,
     /// The chain keys of a group's pages, in order (none for a state): what its KV events name.
     pub pages: Vec<Key>,
+}
+
+/// How one engine's own objects are named, sealed and checked: each is one page (SGLang's HiCache page, vLLM's CPU
+/// chunk) under the chain key of the engine's page hash (`chain::engine_page_key`), in the format of the L3 tier's
+/// groups.
+#[derive(Clone, Debug)]
+pub struct EngineFormat {
+    fingerprint: String,
+    format: ObjectFormat,
+}
+
+impl EngineFormat {
+    /// `hash_key`: the deployment's secret (empty: the unkeyed digest).
+    pub fn new(fingerprint: &str, hash_key: &[u8]) -> Result<Self> {
+        if fingerprint.is_empty() || fingerprint.contains('/') {
+            return Err(invalid(format!("fingerprint must be non-empty and without '/', got {fingerprint:?}")));
+        }
+        Ok(Self { fingerprint: fingerprint.to_owned(), format: ObjectFormat::new(fingerprint, hash_key) })
+    }
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+    pub fn format(&self) -> &ObjectFormat {
+        &self.format
+    }
+    /// The Store key of a page's chain key: `kvtier/v<format>/<fingerprint>/g1/<hex>`, an object of one page.
+    pub fn store_key(&self, key: Key) -> String {
+        group_key_string(&self.fingerprint, 1, key)
+    }
+
+    /// The objects of pages named by the engine's hashes, each with its payload pieces.
+    pub fn objects<S: AsRef<str>>(&self, page_hashes: &[S], pieces: Vec<Vec<(usize, usize)>>) -> Result<Vec<Object>> {
+        if page_hashes.len() != pieces.len() {
+            return Err(invalid(format!(
+                "need the pieces of {} pages, got {} piece lists",
+                page_hashes.len(),
+                pieces.len()
+            )));
+        }
+        let keys = engine_page_keys(page_hashes)?;
+        Ok(keys
+            .into_iter()
+            .zip(pieces)
+            .map(|(k, pieces)| Object {
+                key: self.store_key(k),
+                chain_key: k,
+                kind: ObjectKind::Group,
+                pieces,
+                pages: vec![k],
+            })
+            .collect())
+    }
 }
 
 /// The memory an engine's objects may move from and into: `(address, bytes)` ranges its owner registered (the
@@ -622,6 +674,25 @@ pub(crate) mod test_store {
 #[cfg(test)]
 mod tests {
     use super::test_store::MapStore;
+
+    #[test]
+    fn an_engines_objects_are_one_page_each_under_its_page_hash() {
+        let f = EngineFormat::new("fp", b"").unwrap();
+        let objects = f.objects(&["ab", "cd"], vec![vec![(0x1000, 8)], vec![(0x2000, 4), (0x3000, 4)]]).unwrap();
+        let k = crate::index::chain::engine_page_key("cd");
+        assert_eq!(objects[1].key, format!("kvtier/v{}/fp/g1/{k:032x}", crate::l3::FORMAT_VERSION));
+        assert_eq!(
+            (objects[1].chain_key, objects[1].pages.clone(), objects[1].bytes()),
+            (k, vec![k], HEADER_BYTES + 8)
+        );
+        let err = f.objects(&["ab", "cd"], vec![vec![(0x1000, 8)]]).unwrap_err();
+        assert_eq!(err.to_string(), "need the pieces of 2 pages, got 1 piece lists");
+        assert!(f.objects(&["ab", ""], vec![vec![], vec![]]).unwrap_err().to_string().contains("page_hashes[1]"));
+        for bad in ["", "a/b"] {
+            let err = EngineFormat::new(bad, b"").unwrap_err();
+            assert!(err.to_string().starts_with("fingerprint must be non-empty and without '/'"), "{err}");
+        }
+    }
 
     #[test]
     fn a_piece_outside_the_registered_memory_is_refused() {

@@ -133,18 +133,19 @@ pub struct Planner {
 
 impl Planner {
     /// `scratch_pages` bounds the pages a fetch reads that the host holds already (a plan is cut before a group
-    /// that needs more).
+    /// that needs more); None: two groups.
     pub fn new(
         fingerprint: &str,
         hash_key: &[u8],
         group_pages: usize,
         host: HostPools,
         seen_keys: usize,
-        scratch_pages: usize,
+        scratch_pages: Option<usize>,
     ) -> Result<Self> {
         if group_pages == 0 {
             return Err(invalid(format!("need group_pages >= 1, got {group_pages}")));
         }
+        let scratch_pages = scratch_pages.unwrap_or(2 * group_pages);
         let scratch = Buffer::new(scratch_pages * host.page_bytes());
         Ok(Self {
             named: Named {
@@ -602,7 +603,7 @@ mod tests {
             Arc::new(p)
         };
         let host = HostPools { pages: pool(page_slots, 32), states: Some(pool(state_slots, 16)) };
-        let planner = Planner::new("fp", b"", g, host.clone(), 1024, 4).unwrap();
+        let planner = Planner::new("fp", b"", g, host.clone(), 1024, Some(4)).unwrap();
         Cache { ix: Mutex::new(ix), host, planner: Mutex::new(planner), path: ObjectPath::new(staging).unwrap() }
     }
 
@@ -671,7 +672,7 @@ mod tests {
         let mut a = setup(2, 16, 0, None);
         let unbacked = Arc::new(HostPool::new(16, 32, 1 << 16, Some(false), PinMethod::Auto).unwrap());
         let host = HostPools { pages: unbacked, states: None };
-        a.planner = Mutex::new(Planner::new("fp", b"", 2, host, 1024, 4).unwrap());
+        a.planner = Mutex::new(Planner::new("fp", b"", 2, host, 1024, Some(4)).unwrap());
         let tokens: Vec<i32> = (0..33).collect();
         let plan = a.ix().plan_store("a", b"", &tokens, tokens.len()).unwrap();
         let ready = a.ix().complete(plan.ticket).unwrap().unwrap();

@@ -161,35 +161,14 @@ impl PyPageCopier {
         method: &str,
         crossover_bytes: Option<i64>,
     ) -> PyResult<Self> {
-        let tensors = layers
+        let (tensors, owners): (Vec<_>, Vec<_>) = layers
             .iter()
             .enumerate()
             .map(|(i, t)| layer_tensor(t, &format!("layers[{i}]")))
-            .collect::<PyResult<Vec<_>>>()?;
-        let Some(first) = tensors.first() else {
-            return Err(PyValueError::new_err("layers is an empty list of layer tensors"));
-        };
-        for (i, t) in tensors.iter().enumerate() {
-            if (t.num_blocks, t.segment_bytes) != (first.num_blocks, first.segment_bytes) {
-                return Err(PyValueError::new_err(format!(
-                    "layers[{i}] has shape ({}, {}), layer 0 has ({}, {})",
-                    t.num_blocks, t.segment_bytes, first.num_blocks, first.segment_bytes
-                )));
-            }
-            if t.device != first.device {
-                return Err(PyValueError::new_err(format!(
-                    "all layer tensors must be on one device: layers[{i}] is on {:?}, layer 0 on {:?}",
-                    t.device, first.device
-                )));
-            }
-        }
-        let pool = GpuPool {
-            layers: tensors.iter().map(|t| t.layer).collect(),
-            num_blocks: u32::try_from(first.num_blocks)
-                .map_err(|_| PyValueError::new_err(format!("num_blocks is too large, got {}", first.num_blocks)))?,
-            segment_bytes: first.segment_bytes,
-            device: first.device,
-        };
+            .collect::<PyResult<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        let pool = GpuPool::of_layers(&tensors).map_err(to_py)?;
         let opts = CopyOptions {
             ctas: ctas.map_or(Ok(copy::DEFAULT_CTAS), |b| non_negative("ctas", b))?,
             threads: threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?,
@@ -202,7 +181,7 @@ impl PyPageCopier {
         // (the last row `segment_bytes`), and its capsule is held by this object for its whole life (a cache that
         // copies through it holds this object too); the HostPool's memory is kept by the Arc.
         let inner = unsafe { PageCopier::new(pool, Arc::clone(&host.get().inner), opts) }.map_err(to_py)?;
-        Ok(Self { inner, _owners: tensors.into_iter().map(|t| t.owner).collect() })
+        Ok(Self { inner, _owners: owners })
     }
 
     /// GPU blocks -> host slots; launched on `stream` (a raw cudaStream_t) without waiting, or copied before

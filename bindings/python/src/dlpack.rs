@@ -7,6 +7,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
+use kvtier::executor::copy::LayerTensor;
 use kvtier::executor::cuda::Layer;
 
 /// The structs of the DLPack ABI (dlpack.h, unversioned `dltensor` capsules), as far as they are read here.
@@ -59,7 +60,9 @@ struct Tensor {
     owner: Py<PyAny>,
 }
 
-/// Reads `obj` (anything with `__dlpack__`: a torch tensor, a numpy array); `name` names it in errors.
+/// Reads `obj` (anything with `__dlpack__`: a torch tensor, a numpy array); `name` names it in errors. The largest
+/// function of the bindings, and conversion only, as all of them are: it turns a capsule into the numbers the core
+/// checks (`GpuPool::of_layers`, the copier's block ids, `l3::path::Regions`); no rule lives here.
 fn tensor(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Tensor> {
     let ty = || obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
     if !obj.hasattr("__dlpack__")? {
@@ -113,19 +116,9 @@ fn tensor(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Tensor> {
     })
 }
 
-/// One layer tensor `[num_blocks, segment_bytes]` of uint8, rows contiguous, as the copier reaches it.
-pub(crate) struct LayerTensor {
-    pub layer: Layer,
-    pub num_blocks: u64,
-    pub segment_bytes: u64,
-    /// The CUDA device, None for CPU memory.
-    pub device: Option<i32>,
-    /// The unconsumed capsule: while it lives, so does the memory.
-    pub owner: Py<PyAny>,
-}
-
-/// Reads `obj` as a layer tensor of a GPU pool; `name` names it in errors.
-pub(crate) fn layer_tensor(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<LayerTensor> {
+/// Reads `obj` as a layer tensor of a GPU pool (uint8 `[num_blocks, segment_bytes]`, rows contiguous), and the
+/// capsule that keeps its memory alive; `name` names it in errors.
+pub(crate) fn layer_tensor(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(LayerTensor, Py<PyAny>)> {
     let t = tensor(obj, name)?;
     let (code, bits, lanes) = t.dtype;
     if (code, bits, lanes) != (KDL_UINT, 8, 1) {
@@ -149,13 +142,13 @@ pub(crate) fn layer_tensor(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Layer
     let non_negative = |v: i64, what: &str| {
         u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} has a negative {what}: {v}")))
     };
-    Ok(LayerTensor {
+    let layer = LayerTensor {
         layer: Layer { base: t.addr, stride: non_negative(t.strides[0], "block stride")? },
         num_blocks: non_negative(t.shape[0], "shape")?,
         segment_bytes: non_negative(t.shape[1], "shape")?,
         device: t.device,
-        owner: t.owner,
-    })
+    };
+    Ok((layer, t.owner))
 }
 
 /// Host memory an object path may move objects from and into: `(address, bytes)` of a CPU tensor's elements, and

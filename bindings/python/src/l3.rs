@@ -2,7 +2,7 @@
 //! rust/l3/path.rs) and the Python Store client as the core's `Store`.
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -211,7 +211,7 @@ impl PyObjectPath {
         pieces: Pieces,
         memory: &[Bound<'_, PyAny>],
     ) -> PyResult<(Vec<Object>, Vec<Py<PyAny>>)> {
-        let objects = engine_objects(fmt, hashes, pieces)?;
+        let objects = fmt.engine().objects(&hashes, pieces).map_err(to_py)?;
         let mut regions = locked(&self.memory).0.clone();
         let mut held = Vec::with_capacity(memory.len());
         for (i, m) in memory.iter().enumerate() {
@@ -222,28 +222,6 @@ impl PyObjectPath {
         regions.check(&objects).map_err(to_py)?;
         Ok((objects, held))
     }
-}
-
-fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
-    if hashes.len() != pieces.len() {
-        return Err(PyValueError::new_err(format!(
-            "need the pieces of {} pages, got {} piece lists",
-            hashes.len(),
-            pieces.len()
-        )));
-    }
-    let keys = fmt.chain_keys(&hashes)?;
-    Ok(keys
-        .into_iter()
-        .zip(pieces)
-        .map(|(k, pieces)| Object {
-            key: fmt.store_key(k),
-            chain_key: k,
-            kind: l3::ObjectKind::Group,
-            pieces,
-            pages: vec![k],
-        })
-        .collect())
 }
 
 #[pymethods]
@@ -290,7 +268,7 @@ impl PyObjectPath {
         memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
         let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
-        let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.engine().format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }
     /// Gets each page's object into its pieces (the caller's to write for the call; in registered memory or in
@@ -307,7 +285,7 @@ impl PyObjectPath {
         memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
         let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
-        let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.engine().format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }
 }
@@ -372,10 +350,7 @@ impl PyL3Planner {
     ) -> PyResult<Self> {
         let group_pages: usize = non_negative("group_pages", group_pages)?;
         let host = HostPools { pages: pages.pool().clone(), states: states.map(|s| s.pool().clone()) };
-        let scratch = match scratch_pages {
-            Some(v) => non_negative("scratch_pages", v)?,
-            None => 2 * group_pages,
-        };
+        let scratch = scratch_pages.map(|v| non_negative("scratch_pages", v)).transpose()?;
         let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
         let planner = Planner::new(
             fingerprint,

@@ -1,5 +1,7 @@
-//! The Python module `kvtier._core`. Errors become exceptions in one place (`to_py`); every argument is checked
-//! here, at the boundary, and the message names the value that was wrong.
+//! The Python module `kvtier._core`, a crate of its own over the core crate (`kvtier`, rust/): it only converts
+//! Python objects into the core's arguments (token containers, tensors through DLPack, block tables) and the
+//! core's results back, and maps `Error` to exceptions in one place (`to_py`). Every rule lives in the core, where
+//! `cargo test` covers it; a conversion that fails names the value that was wrong.
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
 
