@@ -12,6 +12,7 @@ import torch
 import kvtier
 from conftest import tiny_engine
 from kvtier.cache import HostPrefixCache
+from kvtier.copy import HostPool
 from kvtier.deepinfer import Cache
 from kvtier.settings import machine_memory
 from kvtier.tools.engine import Engine
@@ -72,7 +73,7 @@ def cases(e: Engine, c: HostPrefixCache, p: HostPrefixCache):
         (
             "seen-set capacity 0",
             lambda: kvtier.L3Planner(
-                kvtier.Index(kvtier.IndexConfig(8)), "fp", group_pages=1, page_base=1, page_bytes=1, seen_keys=0
+                kvtier.Index(kvtier.IndexConfig(8)), "fp", group_pages=1, pages=HostPool(8, 64), seen_keys=0
             ),
             ValueError,
             "capacity",

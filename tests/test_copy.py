@@ -262,3 +262,27 @@ def test_cpu_completion_queue_completes_at_once() -> None:
     assert q.pending() == 0 and q.poll() == [] and q.wait_all() == []
     with pytest.raises(ValueError, match="ticket must be >= 0"):
         q.record(-1)
+
+
+def test_the_core_copier_takes_layer_tensors_not_addresses_and_holds_their_memory():
+    from kvtier import _core
+
+    host = make_host(4, 64)
+    with pytest.raises(TypeError, match="__dlpack__"):
+        _core.PageCopier([0x7F0000000000], host)
+    with pytest.raises(TypeError, match="uint8"):
+        _core.PageCopier([torch.zeros(4, 16, dtype=torch.float32)], host)
+    with pytest.raises(ValueError, match="2-D"):
+        _core.PageCopier([torch.zeros(64, dtype=torch.uint8)], host)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _core.PageCopier([torch.zeros(64, 4, dtype=torch.uint8).t()], host)
+    with pytest.raises(ValueError, match="shape"):
+        _core.PageCopier([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(5, 64, dtype=torch.uint8)], host)
+    [pool] = make_pool(1, 64, 4, seed=7)
+    want = pool[2].numpy().tobytes()
+    copier = _core.PageCopier([pool], host)
+    del pool  # the copier holds the tensor's memory
+    assert copier.to_host(np.array([2], np.int32), np.array([1], np.int32)) == "memcpy"
+    assert host.read(1) == want
+    with pytest.raises(ValueError, match="outside the GPU pool of 4 blocks"):
+        copier.to_host(np.array([4], np.int32), np.array([0], np.int32))

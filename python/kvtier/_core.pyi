@@ -344,10 +344,8 @@ class L3Planner:
         fingerprint: str,
         *,
         group_pages: int,
-        page_base: int,
-        page_bytes: int,
-        state_base: int = 0,
-        state_bytes: int = 0,
+        pages: HostPool,
+        states: HostPool | None = None,
         hash_key: str | bytes | None = None,
         seen_keys: int = ...,
         scratch_pages: int | None = None,
@@ -384,8 +382,13 @@ class ObjectPath:
     def zero_copy(self) -> bool: ...
     def buffers(self) -> list[tuple[int, int]]: ...
     def stats(self) -> dict[str, int]: ...
-    def put(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
-    def get(self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces) -> list[Outcome]: ...
+    def add_memory(self, memory: Any) -> None: ...
+    def put(
+        self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces, *, memory: Sequence[Any] = ...
+    ) -> list[Outcome]: ...
+    def get(
+        self, store: Any, fmt: ObjectFormat, hashes: Sequence[str], pieces: _Pieces, *, memory: Sequence[Any] = ...
+    ) -> list[Outcome]: ...
 
 # ---- page copies (bindings/python/src/copy.rs; python/kvtier/copy.py wraps PageCopier for torch tensors) -------------
 
@@ -426,11 +429,7 @@ class HostPool:
 class PageCopier:
     def __new__(
         cls,
-        layer_ptrs: Sequence[int],
-        layer_strides: Sequence[int],
-        num_blocks: int,
-        segment_bytes: int,
-        device: int | None,
+        layers: Sequence[Any],
         host: HostPool,
         *,
         ctas: int | None = None,

@@ -185,19 +185,15 @@ class PageCopier:
                         f"gpu_pool[{i}] is not writable memory at {at:#x} (its {n} bytes from {ptr:#x}): a load "
                         "would write into it"
                     )
-        # SAFETY (for the ints passed below): self._tensors and self._host keep the memory alive for the life of
-        # this object, and `check_memory` refuses a copy once a tensor no longer points at that memory (its
-        # storage freed, resized or swapped); the core copier itself only holds raw addresses and the host pool.
+        # The core copier reads the tensors through DLPack and holds their memory for its life; `check_memory`
+        # refuses a copy once a tensor no longer points at that memory (the engine gave it another storage or
+        # resized it), so the copies reach the memory the engine reads.
         self._tensors = tensors
         self._storages = [t.untyped_storage() for t in tensors]
         self._memory = [(ptr, s.data_ptr(), s.nbytes()) for (ptr, _), s in zip(spans, self._storages, strict=True)]
         self._host = host
         self._core = _CorePageCopier(
-            [t.data_ptr() for t in tensors],
-            [t.stride(0) for t in tensors],
-            num_blocks,
-            segment_bytes,
-            self._cuda_index,
+            tensors,
             host,
             ctas=ctas,
             threads=threads,

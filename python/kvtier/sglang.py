@@ -261,6 +261,8 @@ class KvtierStore(HiCacheStorage):
         # first needed (zero-copy, the staged one only if a deprecated call comes); the lock orders that.
         self._lock = threading.Lock()
         self._paths: dict[bool, ObjectPath] = {}
+        # The host pools' buffers: the memory every object path may move pages from and into (checked in the core).
+        self._memory: list[torch.Tensor] = []
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         self._registered: list[int] = []
         try:
@@ -279,6 +281,8 @@ class KvtierStore(HiCacheStorage):
             path = self._paths.get(staged)
             if path is None:
                 path = ObjectPath(staging_bytes=self.settings.l3_staging_bytes if staged else None)
+                for buffer in self._memory:
+                    path.add_memory(buffer)
                 for ptr, nbytes in path.buffers():
                     self._register(ptr, nbytes)
                 self._paths[staged] = path
@@ -328,6 +332,11 @@ class KvtierStore(HiCacheStorage):
             for start, end in ranges:
                 self._register(start, end - start)
         fmt = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
+        with self._lock:
+            self._memory.extend(buffers)
+            for path in self._paths.values():
+                for buffer in buffers:
+                    path.add_memory(buffer)
         self._pools[name] = RegisteredPool(pool, fmt, ranges)
         log.info(
             "kvtier SGLang backend: host pool %s, fingerprint %s, %s, %d bytes a page",
@@ -406,24 +415,28 @@ class KvtierStore(HiCacheStorage):
             log.info("kvtier SGLang backend: %s of %d pages not done, first code %s", what, len(failed), failed[0].code)
         return [o.ok for o in outcomes]
 
-    def _put(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+    def _put(
+        self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool, memory: Sequence[Any] = ()
+    ) -> list[bool]:
         """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
-        present."""
+        present. Pieces lie in the host pools or in ``memory`` (tensors of the call)."""
         try:
             path = self._path(staged)
         except L3Error as e:
             log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
             return [False] * len(hashes)
-        return self._moved("put", path.put(self.store, fmt, list(hashes), pieces))
+        return self._moved("put", path.put(self.store, fmt, list(hashes), pieces, memory=list(memory)))
 
-    def _get(self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool) -> list[bool]:
+    def _get(
+        self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool, memory: Sequence[Any] = ()
+    ) -> list[bool]:
         """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
         try:
             path = self._path(staged)
         except L3Error as e:
             log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
             return [False] * len(hashes)
-        return self._moved("get", path.get(self.store, fmt, list(hashes), pieces))
+        return self._moved("get", path.get(self.store, fmt, list(hashes), pieces, memory=list(memory)))
 
     # HiCacheStorage: zero-copy calls on the registered host pool
 
@@ -529,7 +542,8 @@ class KvtierStore(HiCacheStorage):
         if target_locations is None or len(target_locations) != len(keys):
             raise BadArgument(f"need one target location per key, got {target_locations!r:.80}")
         if all(isinstance(t, torch.Tensor) for t in target_locations):
-            ok = self._get(self._fmt(), keys, _tensor_pieces(target_locations, "target_locations"), staged=True)
+            pieces = _tensor_pieces(target_locations, "target_locations")
+            ok = self._get(self._fmt(), keys, pieces, staged=True, memory=target_locations)
             return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
         ok = self._get(
             self._fmt(), keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True
@@ -546,15 +560,16 @@ class KvtierStore(HiCacheStorage):
     ) -> bool:
         """Puts each tensor of ``values``, or each address and size; True when every page is stored (or was)."""
         _check_keys(keys)
+        memory: Sequence[Any] = ()
         if values is not None:
-            pieces = _tensor_pieces(values, "values")
+            pieces, memory = _tensor_pieces(values, "values"), values
         elif target_locations is not None:
             pieces = _pointer_pieces(target_locations, target_sizes, "target_locations")
         else:
             raise BadArgument("batch_set needs values or target_locations")
         if len(pieces) != len(keys):
             raise BadArgument(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
-        return bool(keys) and all(self._put(self._fmt(), keys, pieces, staged=True))
+        return bool(keys) and all(self._put(self._fmt(), keys, pieces, staged=True, memory=memory))
 
     # Statistics and shutdown
 

@@ -155,8 +155,10 @@ class KvtierMooncakeTier(SecondaryTierManager):
             )
         self.fingerprint = fingerprint(chunk_identity(offloading_spec, self._row_bytes, s.model_version))
         self._format = ObjectFormat(self.fingerprint, hash_key=s.hash_key)
-        # The one object path (rust/l3/path.rs), staged: its staging buffers are the only memory registered.
+        # The one object path (rust/l3/path.rs), staged: its staging buffers are the only memory registered with
+        # the Store. The chunk rows are the memory the path may move objects from and into (checked in the core).
         self._path = ObjectPath(staging_bytes=s.l3_staging_bytes)
+        self._path.add_memory(rows)
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
         try:
             for ptr, nbytes in self._path.buffers():

@@ -96,6 +96,46 @@ pub struct GpuPool {
     pub device: Option<i32>,
 }
 
+/// One layer tensor `[num_blocks, segment_bytes]` as its owner describes it (a DLPack capsule, in the bindings).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerTensor {
+    pub layer: Layer,
+    pub num_blocks: u64,
+    pub segment_bytes: u64,
+    pub device: Option<i32>,
+}
+
+impl GpuPool {
+    /// The pool of these layer tensors: one shape and one device for all (`layers[i]` named in errors).
+    pub fn of_layers(layers: &[LayerTensor]) -> Result<Self> {
+        let Some(first) = layers.first() else {
+            return Err(invalid("layers is an empty list of layer tensors"));
+        };
+        for (i, t) in layers.iter().enumerate() {
+            if (t.num_blocks, t.segment_bytes) != (first.num_blocks, first.segment_bytes) {
+                return Err(invalid(format!(
+                    "layers[{i}] has shape ({}, {}), layer 0 has ({}, {})",
+                    t.num_blocks, t.segment_bytes, first.num_blocks, first.segment_bytes
+                )));
+            }
+            if t.device != first.device {
+                return Err(invalid(format!(
+                    "all layer tensors must be on one device: layers[{i}] is on {:?}, layer 0 on {:?}",
+                    t.device, first.device
+                )));
+            }
+        }
+        let num_blocks = u32::try_from(first.num_blocks)
+            .map_err(|_| invalid(format!("num_blocks is too large, got {}", first.num_blocks)))?;
+        Ok(Self {
+            layers: layers.iter().map(|t| t.layer).collect(),
+            num_blocks,
+            segment_bytes: first.segment_bytes,
+            device: first.device,
+        })
+    }
+}
+
 /// How a copier launches: kernel grid, method and crossover.
 #[derive(Debug, Clone, Copy)]
 pub struct CopyOptions {
@@ -736,6 +776,23 @@ impl CompletionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_of_layer_tensors_has_one_shape_and_one_device() {
+        let t = |base: u64, blocks: u64, device: Option<i32>| LayerTensor {
+            layer: Layer { base, stride: 64 },
+            num_blocks: blocks,
+            segment_bytes: 64,
+            device,
+        };
+        let pool = GpuPool::of_layers(&[t(0x1000, 4, Some(0)), t(0x9000, 4, Some(0))]).unwrap();
+        assert_eq!((pool.layers.len(), pool.num_blocks, pool.segment_bytes, pool.device), (2, 4, 64, Some(0)));
+        let err = |layers: &[LayerTensor]| GpuPool::of_layers(layers).unwrap_err().to_string();
+        assert_eq!(err(&[]), "layers is an empty list of layer tensors");
+        assert_eq!(err(&[t(0, 4, None), t(0, 5, None)]), "layers[1] has shape (5, 64), layer 0 has (4, 64)");
+        assert!(err(&[t(0, 4, None), t(0, 4, Some(1))]).starts_with("all layer tensors must be on one device"));
+        assert!(err(&[t(0, 1 << 33, None)]).starts_with("num_blocks is too large"));
+    }
     use crate::executor::hostmem::PinMethod;
 
     fn pool_and_copier(layers: usize, seg: u64, blocks: u32, slots: u32) -> (Vec<Vec<u8>>, PageCopier) {

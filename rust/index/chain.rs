@@ -11,10 +11,36 @@
 //! the tokens it hashed, so a call for a known request checks that the prompt still extends them and hashes only
 //! the new blocks: in full (every token compared) before anything is loaded or stored under its keys, or only at
 //! the ends (length, first and last hashed block) for a lookup that just answers.
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
 use crate::error::{invalid, Result};
 
 /// A block key.
 pub type Key = u128;
+
+/// A map keyed by block keys (the pools', the policy's and the L3 seen-set's).
+pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
+
+/// Keys are uniform 128-bit hashes already: hash them by their low 64 bits.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 ^= u64::from_le_bytes(b);
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
 
 /// Version of the key derivation (hash construction and derived keys). A change of it changes every key: it is
 /// part of the L3 fingerprint, so objects stored under an older scheme are never read.

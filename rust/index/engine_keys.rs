@@ -1,5 +1,5 @@
-//! Pages keyed by the engine: byte strings the engine made (vLLM's block hashes with their group, SGLang's page
-//! hashes), for a half of the engine that never sees tokens. Each page stored gets a pool key of its own, so they
+//! Pages keyed by the engine: byte strings the engine made (vLLM's block hashes with their group), for a half of
+//! the engine that never sees tokens. (SGLang's page hashes name L3 objects only: `chain::engine_page_key`.) Each page stored gets a pool key of its own, so they
 //! share the pools, references, ready flags, reservations, policy, statistics and events of token chains and never
 //! meet a chain's key. The engine's bytes are kept by page slot, so what is evicted is reported in them, and a key
 //! is found by its bytes (compared in full) under the current model version.

@@ -617,7 +617,7 @@ impl Index {
     /// ticket once the bytes are in, abort it if the get failed.
     pub fn plan_fetch(&mut self, page_keys: &[Key], state_keys: &[Key]) -> Result<Option<SlotPlan>> {
         let missing = |pool: &Pool, keys: &[Key]| -> Vec<Key> {
-            let mut seen = crate::index::pool::KeyMap::default();
+            let mut seen = crate::index::chain::KeyMap::default();
             keys.iter().copied().filter(|k| pool.slot_of(*k).is_none() && seen.insert(*k, ()).is_none()).collect()
         };
         let new_pages = missing(&self.pages, page_keys);

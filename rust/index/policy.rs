@@ -13,8 +13,7 @@
 //! brings back its whole history at once), and a whole run moving the target by a page each made it swing by a
 //! prompt's length per request (docs/EVICTION.md has the measurements). It starts at half the pool.
 use crate::error::{invalid, Result};
-use crate::index::chain::Key;
-use crate::index::pool::KeyMap;
+use crate::index::chain::{Key, KeyMap};
 
 const NIL: u32 = u32::MAX;
 

@@ -13,11 +13,8 @@
 //! Entries belong to the pool's epoch they were reserved in. `retire_all` (the model changed) starts a new epoch
 //! and drops every evictable entry; an entry of an older epoch still in use can never become ready and is dropped
 //! when its last reference goes.
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use crate::error::{Error, Result};
-use crate::index::chain::Key;
+use crate::index::chain::{Key, KeyMap};
 use crate::index::policy::{Ghosts, Policy, TARGET_UNIT};
 
 const NIL: u32 = u32::MAX;
@@ -27,30 +24,8 @@ const PROBATION: usize = 0;
 /// The adaptive policy's list of entries used again.
 const PROTECTED: usize = 1;
 
-/// Keys are uniform 128-bit hashes already: hash them by their low 64 bits.
-#[derive(Default)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 ^= u64::from_le_bytes(b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
 /// An entry evicted or dropped: the slot it had, and its key.
 pub type Evicted = (u32, Key);
-
-pub type KeyMap<V> = HashMap<Key, V, BuildHasherDefault<KeyHasher>>;
 
 #[derive(Clone, Debug)]
 struct Slot {

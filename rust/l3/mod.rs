@@ -24,8 +24,8 @@ pub mod plan;
 use std::collections::VecDeque;
 
 use crate::error::{invalid, Result};
+use crate::index::chain::KeyMap;
 use crate::index::chain::{Key, KEY_SCHEME};
-use crate::index::pool::KeyMap;
 
 /// Object format version (key strings and header); bump when the bytes behind a key change meaning.
 pub const FORMAT_VERSION: u32 = 2;

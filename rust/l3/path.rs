@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::error::{invalid, Result};
-use crate::index::chain::Key;
-use crate::l3::{ObjectFormat, ObjectKind, Reject, HEADER_BYTES};
+use crate::index::chain::{engine_page_keys, Key};
+use crate::l3::{group_key_string, ObjectFormat, ObjectKind, Reject, HEADER_BYTES};
 
 /// Objects one Store call moves at most: the header slots of each direction (SGLang's HiCache batches 128 pages;
 /// a larger plan takes several calls).
@@ -109,6 +109,87 @@ pub struct Object {
     pub pieces: Vec<(usize, usize)>,
     /// The chain keys of a group's pages, in order (none for a state): what its KV events name.
     pub pages: Vec<Key>,
+}
+
+/// How one engine's own objects are named, sealed and checked: each is one page (SGLang's HiCache page, vLLM's CPU
+/// chunk) under the chain key of the engine's page hash (`chain::engine_page_key`), in the format of the L3 tier's
+/// groups.
+#[derive(Clone, Debug)]
+pub struct EngineFormat {
+    fingerprint: String,
+    format: ObjectFormat,
+}
+
+impl EngineFormat {
+    /// `hash_key`: the deployment's secret (empty: the unkeyed digest).
+    pub fn new(fingerprint: &str, hash_key: &[u8]) -> Result<Self> {
+        if fingerprint.is_empty() || fingerprint.contains('/') {
+            return Err(invalid(format!("fingerprint must be non-empty and without '/', got {fingerprint:?}")));
+        }
+        Ok(Self { fingerprint: fingerprint.to_owned(), format: ObjectFormat::new(fingerprint, hash_key) })
+    }
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+    pub fn format(&self) -> &ObjectFormat {
+        &self.format
+    }
+    /// The Store key of a page's chain key: `kvtier/v<format>/<fingerprint>/g1/<hex>`, an object of one page.
+    pub fn store_key(&self, key: Key) -> String {
+        group_key_string(&self.fingerprint, 1, key)
+    }
+
+    /// The objects of pages named by the engine's hashes, each with its payload pieces.
+    pub fn objects<S: AsRef<str>>(&self, page_hashes: &[S], pieces: Vec<Vec<(usize, usize)>>) -> Result<Vec<Object>> {
+        if page_hashes.len() != pieces.len() {
+            return Err(invalid(format!(
+                "need the pieces of {} pages, got {} piece lists",
+                page_hashes.len(),
+                pieces.len()
+            )));
+        }
+        let keys = engine_page_keys(page_hashes)?;
+        Ok(keys
+            .into_iter()
+            .zip(pieces)
+            .map(|(k, pieces)| Object {
+                key: self.store_key(k),
+                chain_key: k,
+                kind: ObjectKind::Group,
+                pieces,
+                pages: vec![k],
+            })
+            .collect())
+    }
+}
+
+/// The memory an engine's objects may move from and into: `(address, bytes)` ranges its owner registered (the
+/// host pool an engine keeps its pages in, a buffer held for one call). Every piece of every object must lie
+/// inside one of them before the path reads or writes it.
+#[derive(Clone, Debug, Default)]
+pub struct Regions(Vec<(usize, usize)>);
+
+impl Regions {
+    pub fn add(&mut self, addr: usize, bytes: usize) {
+        self.0.push((addr, bytes));
+    }
+
+    /// Refuses the first piece that lies outside every region, naming its object and where it is.
+    pub fn check(&self, objects: &[Object]) -> Result<()> {
+        let inside = |&(p, n): &(usize, usize)| {
+            self.0.iter().any(|&(start, len)| p >= start && p.checked_add(n).is_some_and(|end| end <= start + len))
+        };
+        for (i, o) in objects.iter().enumerate() {
+            if let Some(&(p, n)) = o.pieces.iter().find(|piece| !inside(piece)) {
+                return Err(invalid(format!(
+                    "object {i} ({}): its piece of {n} bytes at {p:#x} lies outside the memory registered with the \
+                     object path",
+                    o.key
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Object {
@@ -593,6 +674,46 @@ pub(crate) mod test_store {
 #[cfg(test)]
 mod tests {
     use super::test_store::MapStore;
+
+    #[test]
+    fn an_engines_objects_are_one_page_each_under_its_page_hash() {
+        let f = EngineFormat::new("fp", b"").unwrap();
+        let objects = f.objects(&["ab", "cd"], vec![vec![(0x1000, 8)], vec![(0x2000, 4), (0x3000, 4)]]).unwrap();
+        let k = crate::index::chain::engine_page_key("cd");
+        assert_eq!(objects[1].key, format!("kvtier/v{}/fp/g1/{k:032x}", crate::l3::FORMAT_VERSION));
+        assert_eq!(
+            (objects[1].chain_key, objects[1].pages.clone(), objects[1].bytes()),
+            (k, vec![k], HEADER_BYTES + 8)
+        );
+        let err = f.objects(&["ab", "cd"], vec![vec![(0x1000, 8)]]).unwrap_err();
+        assert_eq!(err.to_string(), "need the pieces of 2 pages, got 1 piece lists");
+        assert!(f.objects(&["ab", ""], vec![vec![], vec![]]).unwrap_err().to_string().contains("page_hashes[1]"));
+        for bad in ["", "a/b"] {
+            let err = EngineFormat::new(bad, b"").unwrap_err();
+            assert!(err.to_string().starts_with("fingerprint must be non-empty and without '/'"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_piece_outside_the_registered_memory_is_refused() {
+        let object = |pieces: Vec<(usize, usize)>| Object {
+            key: "k".into(),
+            chain_key: 1,
+            kind: ObjectKind::Group,
+            pieces,
+            pages: vec![1],
+        };
+        let mut regions = Regions::default();
+        regions.add(0x1000, 0x100);
+        regions.add(0x4000, 0x10);
+        let inside = [object(vec![(0x1000, 0x100)]), object(vec![(0x1080, 0x10), (0x4000, 0x10)])];
+        regions.check(&inside).unwrap();
+        for bad in [(0x1000, 0x101), (0xff0, 0x20), (0x4008, 0x10), (0x2000, 1), (usize::MAX, 2)] {
+            let err = regions.check(&[inside[0].clone(), object(vec![(0x1000, 1), bad])]).unwrap_err();
+            assert!(err.to_string().starts_with("object 1 (k): its piece of"), "{err}");
+        }
+        assert!(Regions::default().check(&inside).is_err(), "nothing registered: nothing moves");
+    }
     use super::*;
 
     fn objects(pages: &mut [Vec<u8>]) -> Vec<Object> {

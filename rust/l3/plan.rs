@@ -11,11 +11,12 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, Error, Result};
+use crate::executor::hostmem::HostPool;
 use crate::index::chain::Key;
 use crate::index::{deepest_with_state, Index, Ready};
 use crate::l3::path::{Buffer, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
-use crate::l3::{group_key_string, state_key_string, ObjectFormat, ObjectKind, Reject, SeenSet};
+use crate::l3::{group_key_string, state_key_string, ObjectFormat, ObjectKind, Reject, SeenSet, HEADER_BYTES};
 
 /// Seen-set ids of state objects differ from those of groups named by the same chain key.
 const STATE_ID: Key = 0x5354_4154_4500_0000_0000_0000_0000_0001;
@@ -26,13 +27,50 @@ pub fn wants_fetch(group_pages: usize, ready_pages: usize, limit_pages: usize) -
     limit_pages / group_pages > ready_pages / group_pages
 }
 
-/// Where the host pools live. The addresses stay valid while the planner lives (the owner guarantees it).
-#[derive(Clone, Copy, Debug)]
-pub struct HostLayout {
-    pub page_base: usize,
-    pub page_bytes: usize,
-    pub state_base: usize,
-    pub state_bytes: usize,
+/// The host pools a planner's objects move from and into. The planner holds them, so their memory lives as long
+/// as it does, and every slot a plan names is checked against the slots the pool has backed: no address the
+/// planner hands the Store lies outside them. (A pool closed while a job runs is the owner's to prevent: the L3
+/// tier is closed before the pools.)
+#[derive(Clone)]
+pub struct HostPools {
+    pub pages: Arc<HostPool>,
+    pub states: Option<Arc<HostPool>>,
+}
+
+impl HostPools {
+    fn page_bytes(&self) -> usize {
+        self.pages.slot_bytes() as usize
+    }
+    fn state_bytes(&self) -> usize {
+        self.states.as_ref().map_or(0, |s| s.slot_bytes() as usize)
+    }
+
+    /// Every slot given is one its pool has backed.
+    fn check(&self, page_slots: &[Option<u32>], state_slots: &[Option<u32>]) -> Result<()> {
+        let pools = [(Some(&self.pages), page_slots, "page"), (self.states.as_ref(), state_slots, "state")];
+        for (pool, slots, what) in pools {
+            let usable = pool.map_or(0, |p| p.usable_slots());
+            if let Some(s) = slots.iter().flatten().find(|&&s| s >= usable) {
+                return Err(Error::Invariant(format!(
+                    "{what} slot {s} is not below the host pool's {usable} usable slots"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for HostPools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HostPools(pages: {} x {} bytes, states: {} x {} bytes)",
+            self.pages.slots(),
+            self.page_bytes(),
+            self.states.as_ref().map_or(0, |s| s.slots()),
+            self.state_bytes()
+        )
+    }
 }
 
 fn seen_id(o: &Object) -> Key {
@@ -86,7 +124,7 @@ pub struct Planner {
     named: Named,
     hash_key: Vec<u8>,
     group_pages: usize,
-    host: HostLayout,
+    host: HostPools,
     seen: SeenSet,
     seen_keys: usize,
     scratch: Buffer,
@@ -95,21 +133,20 @@ pub struct Planner {
 
 impl Planner {
     /// `scratch_pages` bounds the pages a fetch reads that the host holds already (a plan is cut before a group
-    /// that needs more).
+    /// that needs more); None: two groups.
     pub fn new(
         fingerprint: &str,
         hash_key: &[u8],
         group_pages: usize,
-        host: HostLayout,
+        host: HostPools,
         seen_keys: usize,
-        scratch_pages: usize,
+        scratch_pages: Option<usize>,
     ) -> Result<Self> {
-        if group_pages == 0 || host.page_bytes == 0 {
-            return Err(invalid(format!(
-                "need group_pages >= 1 and page_bytes >= 1; got {group_pages}, {}",
-                host.page_bytes
-            )));
+        if group_pages == 0 {
+            return Err(invalid(format!("need group_pages >= 1, got {group_pages}")));
         }
+        let scratch_pages = scratch_pages.unwrap_or(2 * group_pages);
+        let scratch = Buffer::new(scratch_pages * host.page_bytes());
         Ok(Self {
             named: Named {
                 fingerprint: fingerprint.into(),
@@ -120,7 +157,7 @@ impl Planner {
             host,
             seen: SeenSet::new(seen_keys)?,
             seen_keys,
-            scratch: Buffer::new(scratch_pages * host.page_bytes),
+            scratch,
             scratch_pages,
         })
     }
@@ -153,11 +190,41 @@ impl Planner {
         state_key_string(&self.named.fingerprint, page_key)
     }
 
+    /// The object path of this planner's jobs: staged through two buffers of `staging` bytes each, which must
+    /// hold the largest object (a group or a state, and its header), or zero-copy (None).
+    pub fn object_path(&self, staging: Option<usize>) -> Result<ObjectPath> {
+        let (g, page_bytes) = (self.group_pages, self.host.page_bytes());
+        let largest = HEADER_BYTES + (g * page_bytes).max(self.host.state_bytes());
+        if let Some(bytes) = staging.filter(|&b| b < largest) {
+            return Err(invalid(format!(
+                "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {g} pages of {page_bytes} bytes \
+                 and a header), got {bytes}"
+            )));
+        }
+        ObjectPath::new(staging)
+    }
+
+    /// `(address, bytes)` of the memory the Store must have registered for this planner's jobs on `path`: the
+    /// staging buffers, or zero-copy the host pools, the header slots and the scratch pages.
+    pub fn registered(&self, path: &ObjectPath) -> Vec<(usize, usize)> {
+        if !path.zero_copy() {
+            return path.buffers();
+        }
+        let pools = std::iter::once(&self.host.pages).chain(self.host.states.as_ref());
+        let mut out: Vec<(usize, usize)> =
+            pools.map(|p| (p.base_ptr() as usize, p.slots() as usize * p.slot_bytes() as usize)).collect();
+        out.extend(path.buffers());
+        out.push(self.scratch());
+        out
+    }
+
+    // Addresses of slots checked by `HostPools::check` (below the pool's backed slots).
     fn page_ptr(&self, slot: u32) -> usize {
-        self.host.page_base + slot as usize * self.host.page_bytes
+        self.host.pages.base_ptr() as usize + slot as usize * self.host.page_bytes()
     }
     fn state_ptr(&self, slot: u32) -> usize {
-        self.host.state_base + slot as usize * self.host.state_bytes
+        let states = self.host.states.as_ref().expect("checked: a state slot has a state pool");
+        states.base_ptr() as usize + slot as usize * self.host.state_bytes()
     }
 
     /// Plans the put of what a store made ready: new whole groups and group-end states, held on the host.
@@ -166,7 +233,7 @@ impl Planner {
         let g = self.group_pages;
         let keys = &ready.page_keys;
         let groups: Vec<usize> = (0..keys.len() / g).filter(|&j| self.seen.insert(keys[(j + 1) * g - 1])).collect();
-        let has_states = ix.config().state_slots > 0 && self.host.state_bytes > 0;
+        let has_states = ix.config().state_slots > 0 && self.host.state_bytes() > 0;
         let states: Vec<usize> = ready
             .state_pages
             .iter()
@@ -180,6 +247,10 @@ impl Planner {
         let page_keys: Vec<Key> = groups.iter().flat_map(|&j| keys[j * g..(j + 1) * g].iter().copied()).collect();
         let state_keys: Vec<Key> = states.iter().map(|&p| keys[p - 1]).collect();
         let held = ix.hold(&page_keys, &state_keys)?;
+        if let Err(e) = self.host.check(&held.page_slots, &held.state_slots) {
+            ix.complete(held.ticket)?;
+            return Err(e);
+        }
         let mut objects = Vec::new();
         for (j, slots) in groups.iter().zip(held.page_slots.chunks(g)) {
             let chain_key = keys[(j + 1) * g - 1];
@@ -188,7 +259,7 @@ impl Planner {
                     key: self.group_key(chain_key),
                     chain_key,
                     kind: ObjectKind::Group,
-                    pieces: slots.iter().map(|&s| (self.page_ptr(s), self.host.page_bytes)).collect(),
+                    pieces: slots.iter().map(|&s| (self.page_ptr(s), self.host.page_bytes())).collect(),
                     pages: keys[j * g..(j + 1) * g].to_vec(),
                 }),
                 None => {
@@ -202,7 +273,7 @@ impl Planner {
                     key: self.state_key(k),
                     chain_key: k,
                     kind: ObjectKind::State,
-                    pieces: vec![(self.state_ptr(*s), self.host.state_bytes)],
+                    pieces: vec![(self.state_ptr(*s), self.host.state_bytes())],
                     pages: Vec::new(),
                 }),
                 None => {
@@ -296,6 +367,10 @@ impl Planner {
         let page_keys = &probe.keys[probe.g0 * g..(probe.g0 + n) * g];
         let state_keys: Vec<Key> = state_at.into_iter().collect();
         let Some(slots) = ix.plan_fetch(page_keys, &state_keys)? else { return Ok(None) };
+        if let Err(e) = self.host.check(&slots.page_slots, &slots.state_slots) {
+            ix.abort(slots.ticket)?;
+            return Err(e);
+        }
         let fp = &probe.named.fingerprint;
         let mut objects = Vec::new();
         let mut scratch_next = 0;
@@ -309,10 +384,10 @@ impl Planner {
                     Some(s) => self.page_ptr(*s),
                     None => {
                         scratch_next += 1;
-                        self.scratch.addr() + (scratch_next - 1) * self.host.page_bytes
+                        self.scratch.addr() + (scratch_next - 1) * self.host.page_bytes()
                     }
                 };
-                pieces.push((at, self.host.page_bytes));
+                pieces.push((at, self.host.page_bytes()));
             }
             let first = (probe.g0 + i) * g;
             objects.push(Object {
@@ -328,7 +403,7 @@ impl Planner {
                 key: state_key_string(fp, k),
                 chain_key: k,
                 kind: ObjectKind::State,
-                pieces: vec![(self.state_ptr(*s), self.host.state_bytes)],
+                pieces: vec![(self.state_ptr(*s), self.host.state_bytes())],
                 pages: Vec::new(),
             });
         }
@@ -489,20 +564,16 @@ impl Tier<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::executor::hostmem::PinMethod;
     use crate::index::chain::HashKind;
     use crate::index::events::Medium;
     use crate::index::Config;
     use crate::l3::path::test_store::MapStore;
     use crate::l3::path::{Answer, WRONG_LENGTH};
 
-    struct Host {
-        pages: Vec<u8>,
-        states: Vec<u8>,
-    }
-
     struct Cache {
         ix: Mutex<Index>,
-        host: Host,
+        host: HostPools,
         planner: Mutex<Planner>,
         path: ObjectPath,
     }
@@ -526,14 +597,13 @@ mod tests {
             ..Config::new(page_slots, state_slots, 4)
         };
         let ix = Index::new(cfg, page_slots, state_slots).unwrap();
-        let host = Host { pages: vec![0; page_slots as usize * 32], states: vec![0; state_slots.max(1) as usize * 16] };
-        let layout = HostLayout {
-            page_base: host.pages.as_ptr() as usize,
-            page_bytes: 32,
-            state_base: host.states.as_ptr() as usize,
-            state_bytes: 16,
+        let pool = |slots: u32, bytes: u64| {
+            let p = HostPool::new(slots.max(1), bytes, 1 << 16, Some(false), PinMethod::Auto).unwrap();
+            p.grow_to(slots).unwrap();
+            Arc::new(p)
         };
-        let planner = Planner::new("fp", b"", g, layout, 1024, 4).unwrap();
+        let host = HostPools { pages: pool(page_slots, 32), states: Some(pool(state_slots, 16)) };
+        let planner = Planner::new("fp", b"", g, host.clone(), 1024, Some(4)).unwrap();
         Cache { ix: Mutex::new(ix), host, planner: Mutex::new(planner), path: ObjectPath::new(staging).unwrap() }
     }
 
@@ -541,10 +611,10 @@ mod tests {
     fn store_and_put(c: &mut Cache, store: &MapStore, rid: &str, tokens: &[i32]) -> (Ready, Option<PutReport>) {
         let plan = c.ix().plan_store(rid, b"", tokens, tokens.len()).unwrap();
         for (i, &s) in plan.page_slots.iter().enumerate() {
-            c.host.pages[s as usize * 32..(s as usize + 1) * 32].fill(i as u8 + 1);
+            c.host.pages.write(s, &[i as u8 + 1; 32]).unwrap();
         }
         for &s in &plan.state_slots {
-            c.host.states[s as usize * 16..(s as usize + 1) * 16].fill(0xee);
+            c.host.states.as_ref().unwrap().write(s, &[0xee; 16]).unwrap();
         }
         let ready = c.ix().complete(plan.ticket).unwrap().unwrap();
         let put = c.tier().put(store, &ready).unwrap();
@@ -576,7 +646,7 @@ mod tests {
             let Fetched::Admitted { pages, states, .. } = fetch(&b, &store, "b", &tokens) else { panic!() };
             assert_eq!((pages, states), (8, 1));
             assert_eq!(b.ix().lookup("b", b"", &tokens).unwrap().hit_tokens, 32);
-            assert_eq!(b.host.pages[..32], [1u8; 32], "page 0's bytes arrived");
+            assert_eq!(b.host.pages.read(0).unwrap(), [1u8; 32], "page 0's bytes arrived");
 
             // One bit flipped, a short value: both rejected and removed, nothing admitted.
             let c = setup(2, 16, 4, staging);
@@ -594,6 +664,25 @@ mod tests {
             assert_eq!(c.ix().pages().used(), 0);
             c.ix().check().unwrap();
         }
+    }
+
+    #[test]
+    fn a_plan_never_names_a_slot_its_host_pool_has_not_backed() {
+        let store = MapStore::default();
+        let mut a = setup(2, 16, 0, None);
+        let unbacked = Arc::new(HostPool::new(16, 32, 1 << 16, Some(false), PinMethod::Auto).unwrap());
+        let host = HostPools { pages: unbacked, states: None };
+        a.planner = Mutex::new(Planner::new("fp", b"", 2, host, 1024, Some(4)).unwrap());
+        let tokens: Vec<i32> = (0..33).collect();
+        let plan = a.ix().plan_store("a", b"", &tokens, tokens.len()).unwrap();
+        let ready = a.ix().complete(plan.ticket).unwrap().unwrap();
+        let err = a.tier().put(&store, &ready).unwrap_err();
+        assert!(matches!(err, Error::Invariant(_)), "{err}");
+        assert!(err.to_string().contains("page slot 0 is not below the host pool's 0 usable slots"), "{err}");
+        assert!(store.values.borrow().is_empty(), "nothing was put");
+        let ix = a.ix();
+        assert_eq!(ix.pages().used(), ix.pages().evictable(), "the hold was released");
+        ix.check().unwrap();
     }
 
     /// Transient codes never remove an object, and the fetch is simply not served.

@@ -136,6 +136,8 @@ pub struct PyCache {
     select_state: Option<Py<PyAny>>,
     load_state: Option<Py<PyAny>>,
     staging: Option<Py<PyAny>>,
+    /// The copiers the executor copies through: they hold the memory of the GPU pool.
+    _copiers: Vec<Py<PyPageCopier>>,
 }
 
 impl PyCache {
@@ -170,9 +172,9 @@ impl PyCache {
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
-        pages: &PyPageCopier,
-        parts: Option<&PyPageCopier>,
-        states: Option<&PyPageCopier>,
+        pages: &Bound<'_, PyPageCopier>,
+        parts: Option<&Bound<'_, PyPageCopier>>,
+        states: Option<&Bound<'_, PyPageCopier>>,
         copy_streams: bool,
         layerwise_loads: bool,
         select_state: Option<Py<PyAny>>,
@@ -181,14 +183,9 @@ impl PyCache {
     ) -> PyResult<Self> {
         let shared = Arc::clone(index.get().shared());
         let block_size = kvtier::cache::lock(&shared).config().block_size;
-        let exec = Executor::new(
-            pages.copier(),
-            parts.map(PyPageCopier::copier),
-            states.map(PyPageCopier::copier),
-            copy_streams,
-            layerwise_loads,
-        )
-        .map_err(to_py)?;
+        let copier = |c: &Bound<'_, PyPageCopier>| c.get().copier();
+        let exec = Executor::new(copier(pages), parts.map(copier), states.map(copier), copy_streams, layerwise_loads)
+            .map_err(to_py)?;
         let inner = Cache::new(shared, exec).map_err(to_py)?;
         if inner.executor().states().is_some()
             && (select_state.is_none() || load_state.is_none() || staging_rows.is_none())
@@ -196,7 +193,17 @@ impl PyCache {
             return Err(bad_argument("a cache with states needs select_state, load_state and staging_rows"));
         }
         let num_blocks = inner.executor().pages().pool().num_blocks;
-        Ok(Self { inner, index, block_size, num_blocks, select_state, load_state, staging: staging_rows })
+        let copiers = [Some(pages), parts, states].into_iter().flatten().map(|c| c.clone().unbind()).collect();
+        Ok(Self {
+            inner,
+            index,
+            block_size,
+            num_blocks,
+            select_state,
+            load_state,
+            staging: staging_rows,
+            _copiers: copiers,
+        })
     }
 
     #[getter]

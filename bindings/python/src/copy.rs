@@ -1,13 +1,15 @@
-//! Python classes of the copy path: `HostPool`, `PageCopier` (raw pointers as ints; python/kvtier/copy.py builds
-//! it from torch tensors), `CompletionQueue`, and the copy streams' `CopyStream` and `CopyEvent`.
+//! Python classes of the copy path: `HostPool`, `PageCopier` (over layer tensors read through DLPack;
+//! python/kvtier/copy.py wraps it for an engine's pool), `CompletionQueue`, and the copy streams' `CopyStream` and
+//! `CopyEvent`.
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::dlpack::layer_tensor;
 use crate::{bad_argument, int32s, non_negative, to_py};
 use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
-use kvtier::executor::cuda::{self, Event, Layer, Stream};
+use kvtier::executor::cuda::{self, Event, Stream};
 use kvtier::executor::hostmem::{self, HostPool};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -27,6 +29,12 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyclass(name = "HostPool", module = "kvtier._core", frozen)]
 pub struct PyHostPool {
     inner: Arc<HostPool>,
+}
+
+impl PyHostPool {
+    pub(crate) fn pool(&self) -> &Arc<HostPool> {
+        &self.inner
+    }
 }
 
 #[pymethods]
@@ -131,49 +139,37 @@ impl PyHostPool {
     }
 }
 
-/// Copies pages between a GPU pool given as raw layer pointers and a `HostPool`. Use `kvtier.copy.PageCopier`,
-/// which takes torch tensors and keeps them alive.
+/// Copies pages between a GPU pool, given as its layer tensors (objects with `__dlpack__`: torch tensors
+/// `[num_blocks, segment_bytes]` of uint8, one device, one shape), and a `HostPool`. The tensors' memory is read
+/// through DLPack and held for the copier's life; every block id a copy names is checked against the tensors'
+/// shape. `kvtier.copy.PageCopier` wraps it for an engine's pool.
 #[pyclass(name = "PageCopier", module = "kvtier._core", frozen)]
 pub struct PyPageCopier {
     inner: PageCopier,
+    /// The layers' DLPack capsules: they keep the memory the copier reaches alive.
+    _owners: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
 impl PyPageCopier {
     #[new]
-    #[pyo3(signature = (layer_ptrs, layer_strides, num_blocks, segment_bytes, device, host, *, ctas = None, threads = None,
-                        method = "auto", crossover_bytes = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (layers, host, *, ctas = None, threads = None, method = "auto", crossover_bytes = None))]
     fn new(
-        layer_ptrs: Vec<u64>,
-        layer_strides: Vec<i64>,
-        num_blocks: i64,
-        segment_bytes: i64,
-        device: Option<i64>,
+        layers: Vec<Bound<'_, PyAny>>,
         host: &Bound<'_, PyHostPool>,
         ctas: Option<i64>,
         threads: Option<i64>,
         method: &str,
         crossover_bytes: Option<i64>,
     ) -> PyResult<Self> {
-        if layer_ptrs.len() != layer_strides.len() {
-            return Err(bad_argument(format!(
-                "layer_ptrs and layer_strides differ in length: {} and {}",
-                layer_ptrs.len(),
-                layer_strides.len()
-            )));
-        }
-        let layers = layer_ptrs
+        let (tensors, owners): (Vec<_>, Vec<_>) = layers
             .iter()
-            .zip(&layer_strides)
-            .map(|(&base, &stride)| Ok(Layer { base, stride: non_negative("layer stride", stride)? }))
-            .collect::<PyResult<Vec<_>>>()?;
-        let pool = GpuPool {
-            layers,
-            num_blocks: non_negative("num_blocks", num_blocks)?,
-            segment_bytes: non_negative("segment_bytes", segment_bytes)?,
-            device: device.map(|d| non_negative("device", d)).transpose()?,
-        };
+            .enumerate()
+            .map(|(i, t)| layer_tensor(t, &format!("layers[{i}]")))
+            .collect::<PyResult<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        let pool = GpuPool::of_layers(&tensors).map_err(to_py)?;
         let opts = CopyOptions {
             ctas: ctas.map_or(Ok(copy::DEFAULT_CTAS), |b| non_negative("ctas", b))?,
             threads: threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?,
@@ -182,10 +178,11 @@ impl PyPageCopier {
                 .map_or(Ok(copy::DEFAULT_CROSSOVER_BYTES), |c| non_negative("crossover_bytes", c))?,
             debug_sync: std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1"),
         };
-        // SAFETY: the pointers come from tensors that kvtier.copy.PageCopier holds for this object's whole life
-        // (and the caller keeps them until the last copy completes); the HostPool's memory is kept by the Arc.
+        // SAFETY: each layer's memory is the DLPack tensor it was read from, of `num_blocks` rows of `stride` bytes
+        // (the last row `segment_bytes`), and its capsule is held by this object for its whole life (a cache that
+        // copies through it holds this object too); the HostPool's memory is kept by the Arc.
         let inner = unsafe { PageCopier::new(pool, Arc::clone(&host.get().inner), opts) }.map_err(to_py)?;
-        Ok(Self { inner })
+        Ok(Self { inner, _owners: owners })
     }
 
     /// GPU blocks -> host slots; launched on `stream` (a raw cudaStream_t) without waiting, or copied before

@@ -5,12 +5,16 @@ use std::sync::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::copy::PyHostPool;
+use crate::dlpack::host_region;
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
 use crate::{bad_argument, namespace_bytes, non_negative, to_py};
 use kvtier::l3;
-use kvtier::l3::path::{self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Store};
-use kvtier::l3::plan::{Fetched, HostLayout, Planner, Tier};
+use kvtier::l3::path::{
+    self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Regions, Store,
+};
+use kvtier::l3::plan::{Fetched, HostPools, Planner, Tier};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyL3Planner>()?;
@@ -189,31 +193,34 @@ fn counters(py: Python<'_>, path: &ObjectPath) -> PyResult<Py<PyDict>> {
 #[pyclass(name = "ObjectPath", module = "kvtier._core", frozen)]
 pub struct PyObjectPath {
     inner: ObjectPath,
+    /// The memory objects may move from and into (`add_memory`), and the DLPack capsules that keep it alive.
+    memory: Mutex<(Regions, Vec<Py<PyAny>>)>,
 }
 
 /// `(address, bytes)` payload pieces of each page, checked once at the boundary.
 type Pieces = Vec<Vec<(usize, usize)>>;
 
-fn engine_objects(fmt: &PyObjectFormat, hashes: Vec<String>, pieces: Pieces) -> PyResult<Vec<Object>> {
-    if hashes.len() != pieces.len() {
-        return Err(bad_argument(format!(
-            "need the pieces of {} pages, got {} piece lists",
-            hashes.len(),
-            pieces.len()
-        )));
+impl PyObjectPath {
+    /// The engine's objects of one call, their pieces checked against the registered memory and `memory`, and
+    /// the capsules that hold `memory` for the call.
+    fn objects(
+        &self,
+        fmt: &PyObjectFormat,
+        hashes: Vec<String>,
+        pieces: Pieces,
+        memory: &[Bound<'_, PyAny>],
+    ) -> PyResult<(Vec<Object>, Vec<Py<PyAny>>)> {
+        let objects = fmt.engine().objects(&hashes, pieces).map_err(to_py)?;
+        let mut regions = locked(&self.memory).0.clone();
+        let mut held = Vec::with_capacity(memory.len());
+        for (i, m) in memory.iter().enumerate() {
+            let ((addr, bytes), owner) = host_region(m, &format!("memory[{i}]"))?;
+            regions.add(addr, bytes);
+            held.push(owner);
+        }
+        regions.check(&objects).map_err(to_py)?;
+        Ok((objects, held))
     }
-    let keys = fmt.chain_keys(&hashes)?;
-    Ok(keys
-        .into_iter()
-        .zip(pieces)
-        .map(|(k, pieces)| Object {
-            key: fmt.store_key(k),
-            chain_key: k,
-            kind: l3::ObjectKind::Group,
-            pieces,
-            pages: vec![k],
-        })
-        .collect())
 }
 
 #[pymethods]
@@ -222,7 +229,16 @@ impl PyObjectPath {
     #[pyo3(signature = (*, staging_bytes=None))]
     fn new(staging_bytes: Option<i64>) -> PyResult<Self> {
         let staging = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
-        Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)? })
+        Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)?, memory: Mutex::default() })
+    }
+    /// Registers host memory objects may move from and into (a CPU tensor or array with `__dlpack__`: an engine's
+    /// host pool), held for the path's life. Every piece a put or get names must lie inside registered memory.
+    fn add_memory(&self, memory: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ((addr, bytes), owner) = host_region(memory, "memory")?;
+        let mut m = locked(&self.memory);
+        m.0.add(addr, bytes);
+        m.1.push(owner);
+        Ok(())
     }
     /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
     /// header slots (and then the pages' memory too).
@@ -237,8 +253,10 @@ impl PyObjectPath {
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         counters(py, &self.inner)
     }
-    /// Puts each page (its engine hash, its payload `(address, bytes)` pieces, kept alive and unwritten by the
-    /// caller for the call) as one object sealed by `fmt`, unless the Store has it: one `Outcome` a page.
+    /// Puts each page (its engine hash, its payload `(address, bytes)` pieces, unwritten by the caller for the
+    /// call) as one object sealed by `fmt`, unless the Store has it: one `Outcome` a page. Each piece must lie in
+    /// registered memory (`add_memory`) or in `memory`, buffers held for this call.
+    #[pyo3(signature = (store, fmt, hashes, pieces, *, memory=Vec::new()))]
     fn put(
         &self,
         py: Python<'_>,
@@ -246,13 +264,16 @@ impl PyObjectPath {
         fmt: &PyObjectFormat,
         hashes: Vec<String>,
         pieces: Pieces,
+        memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
-        let objects = engine_objects(fmt, hashes, pieces)?;
-        let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
+        let out = py.detach(|| self.inner.put(&PyStore(&store), fmt.engine().format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }
-    /// Gets each page's object into its pieces (the caller's to write for the call) and checks it with `fmt`; an
-    /// object that fails is removed from the Store. One `Outcome` a page.
+    /// Gets each page's object into its pieces (the caller's to write for the call; in registered memory or in
+    /// `memory`, as for `put`) and checks it with `fmt`; an object that fails is removed from the Store. One
+    /// `Outcome` a page.
+    #[pyo3(signature = (store, fmt, hashes, pieces, *, memory=Vec::new()))]
     fn get(
         &self,
         py: Python<'_>,
@@ -260,9 +281,10 @@ impl PyObjectPath {
         fmt: &PyObjectFormat,
         hashes: Vec<String>,
         pieces: Pieces,
+        memory: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyOutcome>> {
-        let objects = engine_objects(fmt, hashes, pieces)?;
-        let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.format(), &objects)).map_err(to_py)?;
+        let (objects, _held) = self.objects(fmt, hashes, pieces, &memory)?;
+        let out = py.detach(|| self.inner.get(&PyStore(&store), fmt.engine().format(), &objects)).map_err(to_py)?;
         Ok(out.iter().map(PyOutcome::from).collect())
     }
 }
@@ -292,10 +314,8 @@ pub struct PyFetchReport {
     get_s: f64,
 }
 
-/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3/plan.rs.
-///
-/// `page_base` / `state_base` are the addresses of the host pools (`HostPool.base_ptr`): the caller keeps the
-/// pools alive, and their memory in place, for as long as the planner lives.
+/// The L3 planner of one cache over its `Index` and host pools, and its object path; see rust/l3/plan.rs. It holds
+/// the pools: every address it hands the Store lies in slots they have backed.
 #[pyclass(name = "L3Planner", module = "kvtier._core", frozen)]
 pub struct PyL3Planner {
     index: Py<PyIndex>,
@@ -313,42 +333,24 @@ impl PyL3Planner {
 #[pymethods]
 impl PyL3Planner {
     #[new]
-    #[pyo3(signature = (index, fingerprint, *, group_pages, page_base, page_bytes, state_base=0, state_bytes=0,
-        hash_key=None, seen_keys=1 << 20, scratch_pages=None, staging_bytes=None))]
+    #[pyo3(signature = (index, fingerprint, *, group_pages, pages, states=None, hash_key=None, seen_keys=1 << 20,
+        scratch_pages=None, staging_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         index: Py<PyIndex>,
         fingerprint: &str,
         group_pages: i64,
-        page_base: i64,
-        page_bytes: i64,
-        state_base: i64,
-        state_bytes: i64,
+        pages: &PyHostPool,
+        states: Option<&PyHostPool>,
         hash_key: Option<&Bound<'_, PyAny>>,
         seen_keys: i64,
         scratch_pages: Option<i64>,
         staging_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let group_pages: usize = non_negative("group_pages", group_pages)?;
-        let host = HostLayout {
-            page_base: non_negative("page_base", page_base)?,
-            page_bytes: non_negative("page_bytes", page_bytes)?,
-            state_base: non_negative("state_base", state_base)?,
-            state_bytes: non_negative("state_bytes", state_bytes)?,
-        };
-        let scratch = match scratch_pages {
-            Some(v) => non_negative("scratch_pages", v)?,
-            None => 2 * group_pages,
-        };
+        let host = HostPools { pages: pages.pool().clone(), states: states.map(|s| s.pool().clone()) };
+        let scratch = scratch_pages.map(|v| non_negative("scratch_pages", v)).transpose()?;
         let staging: Option<usize> = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
-        let largest = l3::HEADER_BYTES + (group_pages * host.page_bytes).max(host.state_bytes);
-        if let Some(bytes) = staging.filter(|&b| b < largest) {
-            return Err(bad_argument(format!(
-                "l3_staging_bytes must hold the largest L3 object ({largest} bytes: {group_pages} pages of {} bytes \
-                 and a header), got {bytes}",
-                host.page_bytes
-            )));
-        }
         let planner = Planner::new(
             fingerprint,
             &namespace_bytes(hash_key)?,
@@ -358,7 +360,7 @@ impl PyL3Planner {
             scratch,
         )
         .map_err(to_py)?;
-        let path = ObjectPath::new(staging).map_err(to_py)?;
+        let path = planner.object_path(staging).map_err(to_py)?;
         Ok(Self { index, inner: Mutex::new(planner), path, group_pages })
     }
 
@@ -370,14 +372,10 @@ impl PyL3Planner {
     fn group_pages(&self) -> usize {
         self.group_pages
     }
-    /// `(address, bytes)` of the buffers the Store must have registered: the staging buffers, or zero-copy the
-    /// header slots and the scratch pages (and then the host pools too).
+    /// `(address, bytes)` of the memory the Store must have registered: the staging buffers, or zero-copy the host
+    /// pools, the header slots and the scratch pages.
     fn buffers(&self) -> Vec<(usize, usize)> {
-        let mut out = self.path.buffers();
-        if self.path.zero_copy() {
-            out.push(locked(&self.inner).scratch());
-        }
-        out
+        locked(&self.inner).registered(&self.path)
     }
     /// Whether objects move straight from and into the host pools (the Store then registers them).
     #[getter]

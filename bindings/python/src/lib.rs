@@ -1,5 +1,7 @@
-//! The Python module `kvtier._core`. Errors become exceptions in one place (`to_py`); every argument is checked
-//! here, at the boundary, and the message names the value that was wrong. A caller's mistake is
+//! The Python module `kvtier._core`, a crate of its own over the core crate (`kvtier`, rust/): it only converts
+//! Python objects into the core's arguments (token containers, tensors through DLPack, block tables) and the
+//! core's results back, and maps `Error` to exceptions in one place (`to_py`). Every rule lives in the core, where
+//! `cargo test` covers it; a conversion that fails names the value that was wrong. A caller's mistake is
 //! `kvtier.BadArgument` (`bad_argument`), and so is an exception the caller's own object raised while it was read
 //! (`raised_by`); kvtier's own failures are `kvtier.KvtierError` and its subclasses.
 use std::ops::Range;
@@ -18,6 +20,7 @@ use kvtier::index::chain::{bad_token, Check, TokenIds, Window, TOKEN_LIMIT};
 
 mod cache;
 mod copy;
+mod dlpack;
 mod index;
 mod l3;
 mod objects;

@@ -208,10 +208,8 @@ class L3Tier:
             index,
             fingerprint(self._fields),
             group_pages=settings.l3_group_pages,
-            page_base=page_pool.base_ptr,
-            page_bytes=page_pool.slot_bytes,
-            state_base=state_pool.base_ptr if state_pool is not None else 0,
-            state_bytes=state_pool.slot_bytes if state_pool is not None else 0,
+            pages=page_pool,
+            states=state_pool,
             hash_key=settings.hash_key,
             seen_keys=settings.l3_seen_keys,
             staging_bytes=None if settings.l3_zero_copy else settings.l3_staging_bytes,
@@ -272,8 +270,7 @@ class L3Tier:
         try:
             # Zero-copy, the Store moves objects straight from and into the host pools; staged, only the staging
             # buffers are registered, so no peer of the Store can write memory the engine loads from.
-            pools = [(p.base_ptr, p.slots * p.slot_bytes) for p in self._pools] if self.planner.zero_copy else []
-            self._conn.attach(self._factory(self.config), pools + self.planner.buffers())
+            self._conn.attach(self._factory(self.config), self.planner.buffers())
             with self._lock:
                 self._connect_backoff.reset()
             log.info("L3 tier connected to %s (fingerprint %s)", self.config.master_addr, self.fingerprint)
