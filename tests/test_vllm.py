@@ -66,7 +66,7 @@ if HAVE_VLLM:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
         import kvtier.vllm as kv
-        import kvtier.vllm_release as release
+        import kvtier.vllm.release as release
 
         try:  # where the release's KV cache planner lives (0.33 moved it)
             from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
@@ -922,12 +922,12 @@ HAVE_MOONCAKE = find_spec("mooncake") is not None
 
 
 def vllm_tier() -> Any:
-    """kvtier.vllm_tier, or a skip where it cannot work yet: it is written against vLLM 0.33's tiering interface
+    """kvtier.vllm.tier, or a skip where it cannot work yet: it is written against vLLM 0.33's tiering interface
     (TransferJob, take_events, ConfigInfoMapping), which earlier releases lack or shape otherwise."""
     try:
-        import kvtier.vllm_tier as tier
+        import kvtier.vllm.tier as tier
     except ImportError as e:
-        pytest.skip(f"kvtier.vllm_tier does not support this vLLM ({release.VLLM_VERSION}) yet: {e}")
+        pytest.skip(f"kvtier.vllm.tier does not support this vLLM ({release.VLLM_VERSION}) yet: {e}")
     return tier
 
 
@@ -1206,7 +1206,7 @@ def test_the_tier_closes_its_store_client_at_exit_when_vllm_never_shut_it_down(t
     closed = tmp_path / "closed"
     code = (
         "import numpy as np, test_vllm as t\n"
-        "from kvtier.vllm_tier import KvtierMooncakeTier\n"
+        "from kvtier.vllm.tier import KvtierMooncakeTier\n"
         "spec = t.spec_from_line(layers=1, page=4096)\n"
         "tier = KvtierMooncakeTier(spec, memoryview(np.zeros((4, 4096), np.uint8)), 'KvtierMooncakeTier',\n"
         "    store_factory=t._ClosingStore, l3_master='127.0.0.1:1', model_version='r', hash_key='k')\n"

@@ -1,4 +1,4 @@
-"""The copy half of kvtier's vLLM worker (kvtier.vllm_copy.ChunkCopier), without vLLM: KV tensors in vLLM 0.33's
+"""The copy half of kvtier's vLLM worker (kvtier.vllm.copy.ChunkCopier), without vLLM: KV tensors in vLLM 0.33's
 layouts (a layer's K and V halves of [2, num_blocks, block_size, kv_heads, head_dim], one tensor a layer with the
 blocks first, MLA's [num_blocks, block_size, 576]) round-trip exactly through the host slots of the chunks a
 manager chose, on CPU tensors and (marked gpu) on CUDA tensors through kvtier's copy streams."""
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.vllm_copy import ChunkCopier, byte_rows  # noqa: E402
+from kvtier.vllm.copy import ChunkCopier, byte_rows  # noqa: E402
 
 
 def split_kv_layers(layers: int, blocks: int, device: str, seed: int = 0) -> list[torch.Tensor]:

@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 # isort: off
-# The release check first; what differs between releases comes from kvtier.vllm_release.
-from kvtier.vllm_release import (
+# The release check first; what differs between releases comes from kvtier.vllm.release.
+from kvtier.vllm.release import (
     MEDIUM_STORAGE,
     TIER_BASE_PARAMETERS,
     TIER_EVENTS,

@@ -28,7 +28,7 @@ builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
-``kvtier.vllm_release``; importing this module under any other vLLM raises ImportError naming the range.
+``kvtier.vllm.release``; importing this module under any other vLLM raises ImportError naming the range.
 ``import kvtier`` never imports vLLM.
 """
 
@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 # isort: off
-# The release check first (kvtier.vllm_release refuses a vLLM outside the range by name); the names imported from
+# The release check first (kvtier.vllm.release refuses a vLLM outside the range by name); the names imported from
 # vLLM after it are in every supported release.
-from kvtier.vllm_release import (
+from kvtier.vllm.release import (
     CPU_METRICS,
     HAS_WRITE_READ_USAGE,
     HOST_HIT_SOURCE,
@@ -85,7 +85,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 # isort: on
 from kvtier._core import BadArgument, Index, IndexConfig
 from kvtier.settings import VLLM, CacheSettings, for_scope, scope_names
-from kvtier.vllm_copy import ChunkCopier
+from kvtier.vllm.copy import ChunkCopier
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -363,7 +363,7 @@ class KvtierManager(OffloadingManager):
 
 class KvtierWorker(OffloadingWorker):
     """vLLM's offloading worker on kvtier's page copier: vLLM's KV caches (CUDA, or CPU tensors) <-> this rank's
-    pinned host pool, chunk ``c`` of the manager in slots ``c * blocks_per_chunk ..`` (``kvtier.vllm_copy``)."""
+    pinned host pool, chunk ``c`` of the manager in slots ``c * blocks_per_chunk ..`` (``kvtier.vllm.copy``)."""
 
     def __init__(
         self,
@@ -570,7 +570,7 @@ class KvtierTieringSpec(TieringOffloadingSpec):
 
 def _register_tier() -> None:
     try:
-        SecondaryTierFactory.register_tier("KvtierMooncakeTier", "kvtier.vllm_tier", "KvtierMooncakeTier")
+        SecondaryTierFactory.register_tier("KvtierMooncakeTier", "kvtier.vllm.tier", "KvtierMooncakeTier")
     except ValueError:  # registered already (this module imported again)
         pass
 
@@ -579,9 +579,9 @@ _register_tier()
 
 
 def __getattr__(name: str) -> Any:
-    # The Mooncake tier (kvtier.vllm_tier) is imported when vLLM's tier factory asks for it, not with the spec.
+    # The Mooncake tier (kvtier.vllm.tier) is imported when vLLM's tier factory asks for it, not with the spec.
     if name == "KvtierMooncakeTier":
-        from kvtier.vllm_tier import KvtierMooncakeTier
+        from kvtier.vllm.tier import KvtierMooncakeTier
 
         return KvtierMooncakeTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
