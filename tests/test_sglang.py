@@ -445,7 +445,8 @@ def test_zero_copy_registers_staging_buffers_only_when_a_deprecated_call_needs_t
 ) -> None:
     """The zero-copy calls move pages straight from and into the host pool: no staging memory is made or
     registered with the Store (pinned, on RDMA) until a tensor call, which goes through it, comes."""
-    from kvtier.l3.store import MooncakeStore, StoreWrapper
+    from kvtier.l3.store import MooncakeStore
+    from kvtier.tools.faults import StoreWrapper
 
     registered: list[int] = []
 

@@ -936,7 +936,7 @@ def mooncake_master() -> Any:
     vllm_tier()
     if not HAVE_MOONCAKE:
         pytest.skip("mooncake is not installed")
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     with LocalMooncake(segment_bytes=64 << 20) as server:
         yield server.master_addr

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.deepinfer import Cache
-from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.faults import StoreWrapper
 from kvtier.tools.workload import Conversations
 
 # Resident memory may grow this much after the warm-up round: torch's and the allocator's working set. Every
@@ -246,7 +247,7 @@ def soak(
     l3: Any = None,
 ) -> Summary:
     """Rounds after a warm-up round, until ``seconds`` are spent (None: no time budget) or ``max_rounds`` ran.
-    ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3 tier (with injected Store faults and one
+    ``l3``: a running ``kvtier.tools.mooncake.LocalMooncake`` to put the L3 tier (with injected Store faults and one
     master restart) under the same test."""
     rng = random.Random(seed)
     summary = Summary()
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.setLevel(logging.ERROR)  # the injected failures are expected: only the others are logged
     try:
         if a.l3:
-            from kvtier.l3.server import LocalMooncake
+            from kvtier.tools.mooncake import LocalMooncake
 
             with LocalMooncake(segment_bytes=512 << 20) as server:
                 s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)

@@ -582,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_l3(args: Any, common: dict[str, Any], lengths: list[tuple[int, int]], work: str) -> dict[str, Any]:
     """Turn 1 in one process, turn 2 in a new one served from the Store; recompute in a third for the ratio."""
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     longest = max(n for n, _ in lengths) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
     model_dir = write_model(os.path.join(work, "l3-model"), args.model, longest)

@@ -170,8 +170,8 @@ def shapes(pool: Any, pages: int, rounds: int, segment_bytes: int) -> dict[str, 
     import torch
 
     from kvtier._core import L3_HEADER_BYTES
-    from kvtier.l3.server import LocalMooncake
     from kvtier.l3.store import import_mooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     mc = import_mooncake()
     ptrs, sizes = pool.get_page_buffer_meta(torch.arange(2 * pages * pool.page_size))
@@ -262,7 +262,7 @@ def segment_mib(a: argparse.Namespace, page_bytes: int, copies: int) -> int:
     backend or object shape, and nothing is removed; Mooncake needs room beyond the bytes it holds. Raises
     ValueError when ``--segment-mib`` is too small for that."""
     from kvtier._core import L3_HEADER_BYTES
-    from kvtier.l3.server import MIN_SEGMENT_BYTES
+    from kvtier.tools.mooncake import MIN_SEGMENT_BYTES
 
     puts = copies * (a.rounds + 1) * a.pages * (page_bytes + L3_HEADER_BYTES)
     need = max(-(-puts * 5 // (4 << 20)), MIN_SEGMENT_BYTES >> 20)  # a quarter on top of what is put, in MiB
@@ -289,8 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import torch
 
-        from kvtier.l3.server import LocalMooncake
         from kvtier.l3.store import import_mooncake
+        from kvtier.tools.mooncake import LocalMooncake
 
         import_mooncake()
         pool = host_pool(pages=2 * a.pages, page_size=a.page_size, layers=a.layers, heads=a.heads, head_dim=a.head_dim)
