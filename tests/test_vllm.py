@@ -1101,7 +1101,7 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         tier.drain_jobs()
         assert [r.success for r in tier.get_finished_jobs()] == [True]
         # Someone with Store access overwrites the object's payload (same length, header kept).
-        (skey,), size = tier.store_keys([key(1)]), tier.object_bytes
+        (skey,), size = tier.object_keys([key(1)]), tier.object_bytes
         buf = np.zeros(size, dtype=np.uint8)
         assert tier.store.get_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [size]
         buf[-100:] ^= 0xFF

@@ -5,7 +5,7 @@ Each round draws an engine (layout, layer pattern, a GPU pool small enough to ru
 the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight; with
 L3, Store faults (failed calls, lost, short, corrupted and misplaced values) and a master restart. Every
 generated token must equal cache off; the index's invariants are checked at every engine step; when the round
-ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line,
+ends, no copy is in flight, every chain was forgotten and no host slot is held. It prints one summary line,
 which says whether the resident memory grew within its bound (RSS_BOUND_MIB after the warm-up round); the exit
 status is 1 on a mismatch or a growth over the bound.
 """

@@ -8,15 +8,17 @@ One line selects it (vLLM 0.25.1 through 0.34)::
 
 (``--kv-offloading-size`` fills ``cpu_bytes_to_use``; kvtier's ``host_bytes`` setting may be given instead.)
 
+vLLM offloads KV in **vLLM chunks** (``blocks_per_chunk`` GPU blocks under one ``OffloadKey``; vLLM's own names
+``chunk_ids``, ``num_chunks``, ``blocks_per_chunk`` are kept in code, where "chunk" always means a vLLM chunk).
 vLLM builds the spec in the scheduler process and in every worker process; they share nothing but what the
-connector passes between them, the chunk ids in the load/store specs. So:
+connector passes between them, the vLLM chunk ids in the load/store specs. So:
 
 - ``get_manager()`` (scheduler) is kvtier's index keyed by vLLM's own ``OffloadKey`` bytes (block hash + group):
-  it decides which host slot (vLLM's "chunk") each key goes to, what to evict (kvtier's policy: ``lru`` or
+  it decides which host slot (one vLLM chunk) each key goes to, what to evict (kvtier's policy: ``lru`` or
   ``adaptive``) and reports vLLM's KV events with medium CPU. It never touches KV bytes.
 - ``get_worker(kv_caches)`` (every worker) copies between vLLM's KV caches and a pinned host pool of its own rank:
-  slot ``c`` of that pool holds this rank's bytes of chunk ``c``, the slot the manager decided. Both sides size the
-  pool from the same config (host bytes / (bytes of a chunk on every rank)), so their slot ranges agree. Copies run
+  vLLM chunk ``c`` of that pool holds this rank's bytes of the manager's host slot ``c``. Both sides size the
+  pool from the same config (host bytes / (bytes of a vLLM chunk on every rank)), so their ranges agree. Copies run
   through kvtier's page copier (copy engine or kernel by piece size) on kvtier's own streams, ordered after vLLM's
   current stream by events; completions come back through ``get_finished``. On CPU tensors copies are memcpy and
   complete at once.
@@ -363,7 +365,8 @@ class KvtierManager(OffloadingManager):
 
 class KvtierWorker(OffloadingWorker):
     """vLLM's offloading worker on kvtier's page copier: vLLM's KV caches (CUDA, or CPU tensors) <-> this rank's
-    pinned host pool, chunk ``c`` of the manager in slots ``c * blocks_per_chunk ..`` (``kvtier.vllm.copy``)."""
+    pinned host pool, the manager's vLLM chunk ``c`` in host blocks ``c * blocks_per_chunk ..``
+    (``kvtier.vllm.copy``)."""
 
     def __init__(
         self,
@@ -460,8 +463,8 @@ class KvtierWorker(OffloadingWorker):
         self.copier.wait(job_ids)
 
     def host_view(self, copier: int = 0) -> np.ndarray:
-        """One copier's host pool as ``[slots, page bytes]`` uint8 (no copy): slot ``c * blocks_per_chunk + j``
-        holds block ``j`` of chunk ``c``."""
+        """One copier's host pool as ``[host blocks, block bytes]`` uint8 (no copy): host block
+        ``c * blocks_per_chunk + j`` holds block ``j`` of vLLM chunk ``c``."""
         return self.copier.host_view(copier)
 
     def shutdown(self) -> None:
@@ -517,7 +520,7 @@ class KvtierSpec(OffloadingSpec):
                 "kvtier sizes its host pool from both"
             )
         self.blocks_per_chunk = self.layout.blocks_per_chunk
-        # A chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
+        # A vLLM chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
         self.kv_bytes_per_chunk = per_block * world_size * self.blocks_per_chunk
         self.num_chunks = int(self.settings.host_bytes) // self.kv_bytes_per_chunk
         if self.num_chunks < 1:
