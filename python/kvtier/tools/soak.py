@@ -139,6 +139,7 @@ class FaultyStore(StoreWrapper):
         return got
 
 
+# Whole: one randomized round in the order it runs (engines, faults, the checks after every step), on shared state.
 def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary, l3: Any = None) -> None:
     pattern = rng.choice(["FS", "F", "SF"])
     cfg = EngineConfig.preset(

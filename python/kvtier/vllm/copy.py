@@ -64,6 +64,8 @@ class ChunkCopier:
     reports it), never an exception into the engine loop.
     """
 
+    # Whole: this copier redoes the core executor's setup (host pools, streams, events) and goes once the vLLM
+    # worker runs on that executor.
     def __init__(
         self,
         tensors: Sequence[Any],

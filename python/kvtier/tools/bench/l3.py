@@ -95,6 +95,7 @@ def _master(args: argparse.Namespace) -> Iterator[str]:
         yield server.master_addr
 
 
+# Whole: the timed steps are closures over each round's prompt and keys, and run in the order they are written.
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 

@@ -164,6 +164,7 @@ def page_bytes_of(pool: Any, index: int) -> Any:
     return pool.get_data_page(index).contiguous().view(torch.uint8)
 
 
+# Whole: one measurement set up, timed and checked in the order it runs.
 def shapes(pool: Any, pages: int, rounds: int, segment_bytes: int) -> dict[str, dict[str, float]]:
     """Median seconds of a put and a get of ``pages`` pages of a SGLang host pool in each object shape, by a plain
     Mooncake client (see the module's text): pages ``0..pages`` are put, and got into pages ``pages..2 pages``."""
@@ -343,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["rejected"] = storage.stats()["l3_rejected"]
             if hasattr(storage, "close"):
                 storage.close()
+    return _report(a, results, page_bytes)
+
+
+def _report(a: argparse.Namespace, results: dict[str, Any], page_bytes: int) -> int:
+    """Prints each backend's rates and their ratios to SGLang's own backend (one JSON object with --json)."""
     base = results["sglang mooncake"]
     for r in results.values():
         for op in ("batch_set_v1_GBps", "batch_get_v1_GBps"):

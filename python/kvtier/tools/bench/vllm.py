@@ -100,6 +100,7 @@ def _memcpy(nbytes: int) -> tuple[float, float]:
     return _best(lambda: host.copy_(dev, non_blocking=True)), _best(lambda: dev.copy_(host, non_blocking=True))
 
 
+# Whole: one measurement set up, timed and checked in the order it runs.
 def _copies_row(name: str, tensors: list[Any], copy_method: str = "auto") -> dict[str, Any]:
     """One layout's row of ``copies()``."""
     import torch
