@@ -120,6 +120,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     medium: ClassVar[Any] = MEDIUM_STORAGE
 
+    # Whole: vLLM's view checked, the object path and the Store made, the job thread started, in the order each
+    # needs the one before (a Store that fails to register is closed here).
     def __init__(
         self,
         offloading_spec: Any,
