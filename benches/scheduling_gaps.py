@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from kvtier.l3.server import LocalMooncake
 from kvtier.l3.store import MooncakeStore, StoreConfig
+from kvtier.tools.mooncake import LocalMooncake
 
 
 def spin(out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]

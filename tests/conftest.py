@@ -77,7 +77,7 @@ def needs_mooncake() -> None:
 @pytest.fixture(scope="module")
 def mooncake_server():  # type: ignore[no-untyped-def]
     needs_mooncake()
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=LEASE_TTL_MS) as server:
         yield server

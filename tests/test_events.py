@@ -145,7 +145,7 @@ def test_l3_puts_and_drops_become_storage_events(mooncake_server, pubsub):
     the groups put and not found gone, its "CPU" pages the host pool's."""
     needs_mooncake()
     from kvtier.l3 import MooncakeStore
-    from kvtier.l3.store import StoreWrapper
+    from kvtier.tools.faults import StoreWrapper
 
     class Ledger:
         held: set[str] = set()  # the chain key (hex) of the last page of each group the Store holds

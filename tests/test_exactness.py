@@ -308,7 +308,7 @@ def test_a_forked_child_neither_crashes_nor_blocks(end, tmp_path):
     code = textwrap.dedent(f"""
         import os, sys, time, torch
         from kvtier.cache import HostPrefixCache
-        from kvtier.l3.server import LocalMooncake
+        from kvtier.tools.mooncake import LocalMooncake
         with LocalMooncake(segment_bytes=64 << 20) as server:
             c = HostPrefixCache(torch.zeros((16, 4096), dtype=torch.uint8), block_size=16, host_bytes=16 * 4096,
                 preallocate=True, l3="mooncake", l3_master=server.master_addr, hash_key="k", fingerprint_fields={{}})
@@ -352,7 +352,7 @@ class Peer:
 
     def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
         from kvtier.l3 import MooncakeStore
-        from kvtier.l3.store import StoreWrapper
+        from kvtier.tools.faults import StoreWrapper
 
         class Scribbled(StoreWrapper):
             def register(inner, ptr: int, size: int) -> None:  # noqa: N805
@@ -415,7 +415,7 @@ def test_l3_with_the_public_default_key_is_refused_unless_the_store_is_trusted()
 @pytest.mark.mooncake
 def test_a_forged_object_is_removed_and_put_again_by_the_next_honest_store(mooncake_server, mooncake_store):
     from kvtier.l3 import MooncakeStore
-    from kvtier.l3.store import StoreWrapper
+    from kvtier.tools.faults import StoreWrapper
 
     off = WORK.run(engine())
     put_keys: list[str] = []

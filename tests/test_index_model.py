@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier
-from kvtier.pyindex import PyIndex
+from kvtier.tools.pyindex import PyIndex
 
 BLOCK = 4
 BASES = [np.random.default_rng(seed).integers(0, 1000, size=64, dtype=np.int32) for seed in range(3)]

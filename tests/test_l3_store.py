@@ -20,8 +20,7 @@ from conftest import needs_mooncake
 
 needs_mooncake()
 
-import kvtier.l3.server as server_module  # noqa: E402
-from kvtier.l3.server import LocalMooncake, MooncakeServerError, free_port, free_ports, port_open  # noqa: E402
+import kvtier.tools.mooncake as server_module  # noqa: E402
 from kvtier.l3.store import (  # noqa: E402
     INVALID_PARAMS,
     LEASE_EXPIRED,
@@ -36,7 +35,9 @@ from kvtier.l3.store import (  # noqa: E402
     Worker,
     WorkerFull,
     error_name,
+    port_open,
 )
+from kvtier.tools.mooncake import LocalMooncake, MooncakeServerError, free_port, free_ports  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
 

@@ -26,9 +26,9 @@ from kvtier.cache import HostPrefixCache  # noqa: E402
 from kvtier.deepinfer import Cache  # noqa: E402
 from kvtier.identity import Shard  # noqa: E402
 from kvtier.l3 import MooncakeStore, StoreConfig  # noqa: E402
-from kvtier.l3.server import LocalMooncake  # noqa: E402
-from kvtier.l3.store import StoreWrapper  # noqa: E402
 from kvtier.tools.engine import Engine  # noqa: E402
+from kvtier.tools.faults import StoreWrapper  # noqa: E402
+from kvtier.tools.mooncake import LocalMooncake  # noqa: E402
 from kvtier.tools.workload import Conversations  # noqa: E402
 
 pytestmark = pytest.mark.mooncake

@@ -130,7 +130,7 @@ def test_factory_builds_it_from_the_flag_and_pages_round_trip(
     stats = storage.stats()
     assert (stats["l3_objects_put"], stats["l3_puts_present"]) == (PAGES, PAGES)
     assert (stats["l3_objects_loaded"], stats["l3_rejected"], stats["l3_store_errors"]) == (PAGES, 0, 0)
-    assert storage.store_keys(keys)[0].startswith(f"kvtier/v{L3_FORMAT_VERSION}/{storage.fingerprint}/g1/")
+    assert storage.object_keys(keys)[0].startswith(f"kvtier/v{L3_FORMAT_VERSION}/{storage.fingerprint}/g1/")
 
 
 def test_keys_name_the_model_and_the_shard(mooncake_server: Any, closing: list[Any]) -> None:
@@ -173,7 +173,7 @@ def test_planted_values_are_rejected_counted_and_removed(
     pool.kv_buffer.view(torch.uint8).random_(0, 256)
     keys = page_hashes(PAGES)
     assert all(a.batch_set_v1(keys, tokens(0))) and all(b.batch_set_v1(keys, tokens(4)))
-    ka, kb = a.store_keys(keys), b.store_keys(keys)
+    ka, kb = a.object_keys(keys), b.object_keys(keys)
 
     flipped = bytearray(raw.get(ka[0]))
     flipped[len(flipped) // 2] ^= 0x10
@@ -335,7 +335,7 @@ def test_a_hybrid_models_states_round_trip_through_the_v2_calls(
     assert storage.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([6]))]) == {
         PoolName.MAMBA: [False]
     }
-    assert set(storage.store_keys(keys, PoolName.MAMBA)).isdisjoint(storage.store_keys(keys))
+    assert set(storage.object_keys(keys, PoolName.MAMBA)).isdisjoint(storage.object_keys(keys))
     stats = storage.stats()
     assert (stats["l3_objects_put"], stats["l3_objects_loaded"], stats["l3_rejected"]) == (5, 5, 0)
 
@@ -346,7 +346,7 @@ def test_planted_states_are_rejected_and_mamba_states_stay_rank_sharded_in_an_ml
     storage, _, mamba = hybrid(mooncake_server, closing)
     keys = page_hashes(2)
     assert storage.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([0, 1]))])
-    skeys = storage.store_keys(keys, PoolName.MAMBA)
+    skeys = storage.object_keys(keys, PoolName.MAMBA)
     flipped = bytearray(raw.get(skeys[0]))
     flipped[-1] ^= 0x01
     raw.plant(skeys[0], bytes(flipped))
@@ -359,8 +359,8 @@ def test_planted_states_are_rejected_and_mamba_states_stay_rank_sharded_in_an_ml
 
     # An MLA model's KV is one object for every TP rank; its Mamba states are each rank's own.
     ranks = [hybrid(mooncake_server, closing, mla=True, tp_rank=r, tp_size=2)[0] for r in range(2)]
-    assert ranks[0].store_keys(keys) == ranks[1].store_keys(keys)
-    assert ranks[0].store_keys(keys, PoolName.MAMBA) != ranks[1].store_keys(keys, PoolName.MAMBA)
+    assert ranks[0].object_keys(keys) == ranks[1].object_keys(keys)
+    assert ranks[0].object_keys(keys, PoolName.MAMBA) != ranks[1].object_keys(keys, PoolName.MAMBA)
 
 
 def test_bad_v2_calls_name_the_bad_value(mooncake_server: Any, closing: list[Any]) -> None:
@@ -445,7 +445,8 @@ def test_zero_copy_registers_staging_buffers_only_when_a_deprecated_call_needs_t
 ) -> None:
     """The zero-copy calls move pages straight from and into the host pool: no staging memory is made or
     registered with the Store (pinned, on RDMA) until a tensor call, which goes through it, comes."""
-    from kvtier.l3.store import MooncakeStore, StoreWrapper
+    from kvtier.l3.store import MooncakeStore
+    from kvtier.tools.faults import StoreWrapper
 
     registered: list[int] = []
 

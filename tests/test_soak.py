@@ -37,7 +37,7 @@ def test_soak_on_gpu():
 @pytest.mark.mooncake
 def test_soak_with_l3_faults_and_a_master_restart(caplog, timed):
     needs_mooncake()
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     # Its own master: the soak restarts it.
     with LocalMooncake(segment_bytes=256 << 20, lease_ttl_ms=200) as server, caplog.at_level("ERROR", "kvtier"):

@@ -7,9 +7,9 @@ import json
 import pytest
 
 import kvtier
-from kvtier.pyindex import PyIndex
 from kvtier.tools.bench.trace import SHIPPED_TRACE, Request, block_size_of, replay, synthetic
 from kvtier.tools.cli import main
+from kvtier.tools.pyindex import PyIndex
 
 
 def run_json(argv: list[str], capsys) -> dict:  # type: ignore[no-untyped-def]

@@ -66,7 +66,7 @@ if HAVE_VLLM:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
         import kvtier.vllm as kv
-        import kvtier.vllm_release as release
+        import kvtier.vllm.release as release
 
         try:  # where the release's KV cache planner lives (0.33 moved it)
             from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
@@ -922,12 +922,12 @@ HAVE_MOONCAKE = find_spec("mooncake") is not None
 
 
 def vllm_tier() -> Any:
-    """kvtier.vllm_tier, or a skip where it cannot work yet: it is written against vLLM 0.33's tiering interface
+    """kvtier.vllm.tier, or a skip where it cannot work yet: it is written against vLLM 0.33's tiering interface
     (TransferJob, take_events, ConfigInfoMapping), which earlier releases lack or shape otherwise."""
     try:
-        import kvtier.vllm_tier as tier
+        import kvtier.vllm.tier as tier
     except ImportError as e:
-        pytest.skip(f"kvtier.vllm_tier does not support this vLLM ({release.VLLM_VERSION}) yet: {e}")
+        pytest.skip(f"kvtier.vllm.tier does not support this vLLM ({release.VLLM_VERSION}) yet: {e}")
     return tier
 
 
@@ -936,7 +936,7 @@ def mooncake_master() -> Any:
     vllm_tier()
     if not HAVE_MOONCAKE:
         pytest.skip("mooncake is not installed")
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     with LocalMooncake(segment_bytes=64 << 20) as server:
         yield server.master_addr
@@ -1101,7 +1101,7 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         tier.drain_jobs()
         assert [r.success for r in tier.get_finished_jobs()] == [True]
         # Someone with Store access overwrites the object's payload (same length, header kept).
-        (skey,), size = tier.store_keys([key(1)]), tier.object_bytes
+        (skey,), size = tier.object_keys([key(1)]), tier.object_bytes
         buf = np.zeros(size, dtype=np.uint8)
         assert tier.store.get_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [size]
         buf[-100:] ^= 0xFF
@@ -1206,7 +1206,7 @@ def test_the_tier_closes_its_store_client_at_exit_when_vllm_never_shut_it_down(t
     closed = tmp_path / "closed"
     code = (
         "import numpy as np, test_vllm as t\n"
-        "from kvtier.vllm_tier import KvtierMooncakeTier\n"
+        "from kvtier.vllm.tier import KvtierMooncakeTier\n"
         "spec = t.spec_from_line(layers=1, page=4096)\n"
         "tier = KvtierMooncakeTier(spec, memoryview(np.zeros((4, 4096), np.uint8)), 'KvtierMooncakeTier',\n"
         "    store_factory=t._ClosingStore, l3_master='127.0.0.1:1', model_version='r', hash_key='k')\n"

@@ -1,16 +1,22 @@
-"""The copy half of kvtier's vLLM worker (kvtier.vllm_copy.ChunkCopier), without vLLM: KV tensors in vLLM 0.33's
+"""The copy half of kvtier's vLLM worker (kvtier.vllm.copy.ChunkCopier), without vLLM: KV tensors in vLLM 0.33's
 layouts (a layer's K and V halves of [2, num_blocks, block_size, kv_heads, head_dim], one tensor a layer with the
 blocks first, MLA's [num_blocks, block_size, 576]) round-trip exactly through the host slots of the chunks a
 manager chose, on CPU tensors and (marked gpu) on CUDA tensors through kvtier's copy streams."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.vllm_copy import ChunkCopier, byte_rows  # noqa: E402
+from kvtier.vllm.copy import ChunkCopier, byte_rows  # noqa: E402
 
 
 def split_kv_layers(layers: int, blocks: int, device: str, seed: int = 0) -> list[torch.Tensor]:
@@ -126,3 +132,20 @@ def test_cuda_copies_start_after_the_callers_stream_writes() -> None:
     page = copier.host_view()[5]
     assert (page.view(np.float16) == 7).all()
     copier.close()
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_only_the_copy_half_of_the_package_imports() -> None:
+    import kvtier.vllm
+
+    with pytest.raises(ModuleNotFoundError, match="vllm"):
+        kvtier.vllm.KvtierSpec  # noqa: B018
+
+
+def test_the_adapter_names_the_supported_range_under_another_vllm(tmp_path: Path) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.10.0"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", "import kvtier.vllm"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "ImportError: kvtier.vllm supports vLLM >=0.25.1,<0.35" in r.stderr and "'0.10.0'" in r.stderr, r.stderr

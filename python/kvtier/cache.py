@@ -131,9 +131,21 @@ class HostPrefixCache:
         self.calls = Calls()
         self._told_pinning = False
         self._lock = threading.Lock()
+        self._host = self._host_memory()
+        self._core = self._core_cache(select_state, load_state)
+        # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
+        self._l3: Any = None
+        if s.l3 == "mooncake":
+            self._l3 = self._l3_tier(fingerprint_fields, shard, l3_store)
+        if s.preallocate:
+            self._host.pin_all()
+        _LIVE.add(self)
+
+    def _host_memory(self) -> HostMemory:
         # A CUDA pool's host pools are pinned, and address space only until they grow (at the first store, or now
         # with preallocate); a CPU pool's are not pinned, and usable now.
-        self._host = HostMemory(
+        s, g = self.settings, self.geometry
+        return HostMemory(
             self.index,
             page_slots=g.page_slots,
             page_bytes=g.page_bytes,
@@ -144,8 +156,11 @@ class HostPrefixCache:
             pin_method=s.pin_method,
             on_error=self.failures.failed,
         )
+
+    def _core_cache(self, select_state: StateFn | None, load_state: StateFn | None) -> CoreCache:
         # Building the copiers checks the GPU pool (dtype, shapes, alignment, writable memory) before anything is
         # stored; the copiers keep its tensors alive for as long as the core copies between them.
+        s, g = self.settings, self.geometry
         self._copiers = [self._copier(list(g.layers) if g.layer_first else g.layers[0])]
         if g.parts is not None:
             self._copiers.append(self._copier(list(g.parts)))
@@ -153,7 +168,8 @@ class HostPrefixCache:
         if self._host.states is not None:
             staging = torch.zeros((s.staging_slots, g.state_bytes), dtype=torch.uint8, device=g.device)
             state_copier = PageCopier(staging, self._host.states)
-        self._core = CoreCache(
+        self._state_copier = state_copier
+        return CoreCache(
             self.index,
             self._copiers[0].core,
             parts=self._copiers[1].core if len(self._copiers) > 1 else None,
@@ -164,23 +180,24 @@ class HostPrefixCache:
             load_state=load_state,
             staging_rows=list(staging) if staging is not None else None,
         )
-        self._state_copier = state_copier
-        # L3 (kvtier.l3.tier): only with l3="mooncake"; otherwise nothing of the L3 tier or Mooncake is imported.
-        self._l3: Any = None
-        if s.l3 == "mooncake":
-            from kvtier.l3.tier import L3Tier, cache_fields
 
-            self._l3 = L3Tier(
-                s,
-                index=self.index,
-                page_pool=self._host.pages,
-                state_pool=self._host.states,
-                fingerprint_fields=cache_fields(s, g, self.index, fingerprint_fields, shard),
-                store_factory=l3_store,
-            )
-        if s.preallocate:
-            self._host.pin_all()
-        _LIVE.add(self)
+    def _l3_tier(
+        self,
+        fingerprint_fields: Mapping[str, str] | Callable[[CacheSettings], Mapping[str, str]] | None,
+        shard: Any,
+        l3_store: Callable[[Any], Any] | None,
+    ) -> Any:
+        from kvtier.l3.tier import L3Tier, cache_fields
+
+        s = self.settings
+        return L3Tier(
+            s,
+            index=self.index,
+            page_pool=self._host.pages,
+            state_pool=self._host.states,
+            fingerprint_fields=cache_fields(s, self.geometry, self.index, fingerprint_fields, shard),
+            store_factory=l3_store,
+        )
 
     def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor]) -> PageCopier:
         s = self.settings

@@ -4,8 +4,7 @@ Nothing of mooncake is imported until a MooncakeStore is constructed.
 """
 
 from kvtier.l3.errors import L3Error, L3Timeout, L3Unavailable, WorkerFull
-from kvtier.l3.server import LocalMooncake, MooncakeServerError, free_port, port_open
-from kvtier.l3.store import ERROR_NAMES, FAILURE_CODES, MooncakeStore, Store, StoreConfig, error_name
+from kvtier.l3.store import ERROR_NAMES, FAILURE_CODES, MooncakeStore, Store, StoreConfig, error_name, port_open
 from kvtier.l3.worker import Backoff, Breaker, Worker
 
 __all__ = [
@@ -16,14 +15,11 @@ __all__ = [
     "L3Error",
     "L3Timeout",
     "L3Unavailable",
-    "LocalMooncake",
-    "MooncakeServerError",
     "MooncakeStore",
     "Store",
     "StoreConfig",
     "Worker",
     "WorkerFull",
     "error_name",
-    "free_port",
     "port_open",
 ]

@@ -13,9 +13,12 @@ that timed out keeps running there, which is why `L3Timeout.pending` tells when 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import socket
+import struct
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +33,6 @@ from kvtier._core import L3_CODES, BadArgument
 from kvtier.extras import l3_install_hint
 from kvtier.l3 import forked
 from kvtier.l3.errors import RPC_TIMEOUT, L3Error, L3Timeout, L3Unavailable, WorkerFull
-from kvtier.l3.server import port_open
 from kvtier.l3.worker import Breaker, Worker
 from kvtier.settings import L3_MASTER_MISSING, is_address
 
@@ -142,7 +144,7 @@ class StoreConfig:
     """How to reach Mooncake Store and how long to wait for it.
 
     global_segment_bytes: memory this process contributes to the Store (0.3.13 accepts 0: a holder process, see
-        kvtier.l3.server, contributes the memory instead, so objects survive this process).
+        kvtier.tools.mooncake, contributes the memory instead, so objects survive this process).
     local_buffer_bytes: Mooncake's staging buffer; the multi-buffer calls used here transfer straight from and to
         registered memory, so it may stay small.
     """
@@ -197,6 +199,36 @@ class StoreConfig:
         return int(self.master_addr.rpartition(":")[2])
 
 
+def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
+    """True when a server accepts a TCP connection to host:port within `timeout_s`.
+
+    While nothing listens on a port of the ephemeral range, a connect to it from the same address can meet itself
+    (TCP simultaneous open, the kernel having picked the target port as the source port). That is no server, and
+    the connection's TIME_WAIT then keeps the server from binding the port (Mooncake's master exits). So a loopback
+    target is probed from another loopback address, where this cannot happen, and a connection to itself counts as
+    closed and is reset, leaving no TIME_WAIT behind.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(timeout_s)
+            ip = str(addr[0])
+            if family == socket.AF_INET and ip.startswith("127."):
+                with contextlib.suppress(OSError):  # a sandbox may allow 127.0.0.1 only: the check below still holds
+                    s.bind(("127.0.0.2" if ip != "127.0.0.2" else "127.0.0.3", 0))
+            try:
+                s.connect(addr)
+            except OSError:
+                continue
+            if s.getsockname() != s.getpeername():
+                return True
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return False
+
+
 class HostBuffer:
     """Zeroed host memory handed to a Store by address (header slots, staging buffers)."""
 
@@ -204,43 +236,6 @@ class HostBuffer:
         self.array = np.zeros(nbytes, dtype=np.uint8)
         self.addr = int(self.array.ctypes.data)
         self.nbytes = nbytes
-
-
-class StoreWrapper:
-    """A Store that passes every call to another one: the base of Stores that change a few calls (fault
-    injection in the soak and the tests)."""
-
-    def __init__(self, store: Store) -> None:
-        self.inner = store
-
-    @property
-    def breaker_open(self) -> bool:
-        return self.inner.breaker_open
-
-    def register(self, ptr: int, size: int) -> None:
-        self.inner.register(ptr, size)
-
-    def unregister(self, ptr: int) -> None:
-        self.inner.unregister(ptr)
-
-    def put_many(
-        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
-    ) -> list[int]:
-        return self.inner.put_many(keys, ptrs_per_key, sizes_per_key)
-
-    def exists_many(self, keys: Sequence[str]) -> list[int]:
-        return self.inner.exists_many(keys)
-
-    def get_many(
-        self, keys: Sequence[str], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]]
-    ) -> list[int]:
-        return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
-
-    def remove(self, key: str, force: bool = False) -> int:
-        return self.inner.remove(key, force)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.inner.close(timeout_s)
 
 
 # Mooncake 0.3.13 fails (TRANSFER_FAIL) the objects of a batch beyond this many buffer pieces in all.
@@ -544,7 +539,6 @@ __all__ = [
     "MooncakeStore",
     "Store",
     "StoreConfig",
-    "StoreWrapper",
     "Worker",
     "WorkerFull",
     "error_name",

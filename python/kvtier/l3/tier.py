@@ -298,7 +298,7 @@ class L3Tier:
                 time.sleep(0.01)
         return self._conn.store is not None
 
-    def _store(self) -> Store:
+    def _connected_store(self) -> Store:
         store = self._conn.store
         if store is None:
             raise L3Unavailable("the L3 tier is not connected")
@@ -383,7 +383,7 @@ class L3Tier:
             self._stats[name] += n
 
     def _put(self, ready: Ready) -> None:
-        report = self.planner.put(self._store(), ready)
+        report = self.planner.put(self._connected_store(), ready)
         if report is None:
             return
         self._count("puts_submitted", report.objects - report.present)
@@ -397,7 +397,7 @@ class L3Tier:
             )
 
     def _fetch(self, request_id: str) -> None:
-        report = self.planner.fetch(self._store(), request_id)
+        report = self.planner.fetch(self._connected_store(), request_id)
         with self._lock:
             self._seconds["exists_seconds"] += report.exists_s
             self._seconds["get_seconds"] += report.get_s

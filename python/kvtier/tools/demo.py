@@ -503,7 +503,7 @@ def main_l3(args: argparse.Namespace) -> int:
     """Cache off and instance A (its own engine, cache and host pool, L3 on) take turns, then instance B (the
     same, with an empty host pool) on one local Mooncake: B serves the same conversations after A, so its prefixes
     come from L3, not from its own host."""
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     progress = Progress(3 * args.turns, args.quiet)
     warm_up(args)

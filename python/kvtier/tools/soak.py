@@ -5,7 +5,7 @@ Each round draws an engine (layout, layer pattern, a GPU pool small enough to ru
 the cache is on: engine state callbacks and page copies that raise, and forget() of requests in flight; with
 L3, Store faults (failed calls, lost, short, corrupted and misplaced values) and a master restart. Every
 generated token must equal cache off; the index's invariants are checked at every engine step; when the round
-ends, no copy is in flight, every chain was forgotten and no host slot is pinned. It prints one summary line,
+ends, no copy is in flight, every chain was forgotten and no host slot is held. It prints one summary line,
 which says whether the resident memory grew within its bound (RSS_BOUND_MIB after the warm-up round); the exit
 status is 1 on a mismatch or a growth over the bound.
 """
@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.deepinfer import Cache
-from kvtier.l3.store import MooncakeStore, Store, StoreConfig, StoreWrapper
+from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.tools.engine import Engine, EngineConfig
+from kvtier.tools.faults import StoreWrapper
 from kvtier.tools.workload import Conversations
 
 # Resident memory may grow this much after the warm-up round: torch's and the allocator's working set. Every
@@ -138,6 +139,7 @@ class FaultyStore(StoreWrapper):
         return got
 
 
+# Whole: one randomized round in the order it runs (engines, faults, the checks after every step), on shared state.
 def one_round(rng: random.Random, device: str, fault_p: float, summary: Summary, l3: Any = None) -> None:
     pattern = rng.choice(["FS", "F", "SF"])
     cfg = EngineConfig.preset(
@@ -246,7 +248,7 @@ def soak(
     l3: Any = None,
 ) -> Summary:
     """Rounds after a warm-up round, until ``seconds`` are spent (None: no time budget) or ``max_rounds`` ran.
-    ``l3``: a running ``kvtier.l3.server.LocalMooncake`` to put the L3 tier (with injected Store faults and one
+    ``l3``: a running ``kvtier.tools.mooncake.LocalMooncake`` to put the L3 tier (with injected Store faults and one
     master restart) under the same test."""
     rng = random.Random(seed)
     summary = Summary()
@@ -290,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.setLevel(logging.ERROR)  # the injected failures are expected: only the others are logged
     try:
         if a.l3:
-            from kvtier.l3.server import LocalMooncake
+            from kvtier.tools.mooncake import LocalMooncake
 
             with LocalMooncake(segment_bytes=512 << 20) as server:
                 s = soak(a.seconds, a.seed, a.device, a.fault_rate, a.rounds, l3=server)

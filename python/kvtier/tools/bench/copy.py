@@ -212,6 +212,7 @@ class _Pages:
         self.host.close()
 
 
+# Whole: one measurement set up, timed and checked in the order it runs, over the streams it makes.
 def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any, rows: list[dict[str, Any]]) -> None:
     s_main, s_other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     h_main, h_other = s_main.cuda_stream, s_other.cuda_stream
@@ -286,6 +287,7 @@ def _rates(args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any
             pages.close()
 
 
+# Whole: one measurement set up, timed and checked in the order it runs, over the streams it makes.
 def _gemm_cost(
     args: argparse.Namespace, torch: Any, dev: Any, sms: int, pinned: Any, rows: list[dict[str, Any]]
 ) -> None:

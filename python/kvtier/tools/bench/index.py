@@ -4,11 +4,10 @@ By default one long prompt (131,072 tokens in pages of 64, a pool that holds all
 repeats for a request it has seen (a lookup when every page is cached, which compares the first and last hashed
 blocks; the same lookup when its hit is served, which compares every token; a store plan, which compares every
 token, and its completion when every page is present), each with the token ids as a Python list and as a numpy
-int32 array; the first lookup of a new
-request (hashing included); and the hash rates. The baseline (`kvtier/pyindex.py`) follows the same rules and caches
-each request's chain, extending it, as an engine does. `--trace` runs a multi-turn workload instead (conversations
-sharing a system prompt, each turn a new request, a pool small enough to evict). Times are wall clock per call,
-the median of `--repeat` calls.
+int32 array; the first lookup of a new request (hashing included); and the hash rates. The baseline
+(`kvtier/tools/pyindex.py`) follows the same rules and caches each request's chain, extending it, as an engine does.
+`--trace` runs a multi-turn workload instead (conversations sharing a system prompt, each turn a new request, a
+pool small enough to evict). Times are wall clock per call, the median of `--repeat` calls.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import Index, IndexConfig
-from kvtier.pyindex import PyIndex
+from kvtier.tools.pyindex import PyIndex
 
 
 def _median_us(call: Callable[[], object], repeat: int) -> float:

@@ -58,8 +58,7 @@ MASTER_TIMEOUT_S = 2.0
 def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """What would fail later, before any work (one line, exit status 2): the settings of the caches (the KVTIER_*
     variables included), Mooncake, and a --master that is no host:port or accepts no connection."""
-    from kvtier.l3.server import port_open
-    from kvtier.l3.store import StoreConfig, import_mooncake
+    from kvtier.l3.store import StoreConfig, import_mooncake, port_open
     from kvtier.settings import is_address
     from kvtier.tools.cli import L3_EXTRA, cache_settings
 
@@ -90,12 +89,13 @@ def _master(args: argparse.Namespace) -> Iterator[str]:
     if args.master:
         yield args.master
         return
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     with LocalMooncake(segment_bytes=args.segment_mib << 20, lease_ttl_ms=200) as server:
         yield server.master_addr
 
 
+# Whole: the timed steps are closures over each round's prompt and keys, and run in the order they are written.
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 

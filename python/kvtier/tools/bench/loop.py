@@ -76,6 +76,7 @@ def _line(r: dict[str, Any]) -> str:
     return f"{r['layout']:<11} {r['tokens']:>6} tokens  {r['method']:<6}  {calls}  (median/max)"
 
 
+# Whole: one measurement set up, timed and reported in the order it runs.
 def run(a: Any, layout: str, tokens: int, method: str) -> dict[str, Any]:
     import torch
 

@@ -153,6 +153,7 @@ def _config(args: argparse.Namespace, layout: str, *, num_gpu_blocks: int, chunk
     )
 
 
+# Whole: one measurement set up, timed and checked in the order it runs; its parts share the engine's tensors.
 def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     import torch
 
@@ -253,6 +254,7 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     return rows
 
 
+# Whole: one measurement set up, timed and checked in the order it runs; its parts share the engine's tensors.
 def decode_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     import torch
 

@@ -28,6 +28,45 @@ def timed(fn: Callable[..., Any], sink: list[tuple[float, float, str]], name: st
     return call
 
 
+def _figures(
+    a: Any,
+    calls: list[tuple[float, float, str]],
+    t_start: float,
+    t_pinned: float | None,
+    s: dict[str, Any],
+    pinning: Any,
+) -> dict[str, Any]:
+    """What the run measured: the engine's calls while the pool was being pinned and after."""
+    # The first store starts the pinning.
+    first_store = min((t for t, _, name in calls if name == "on_prefill_step"), default=t_start)
+    during = [d for t, d, _ in calls if t_pinned is None or t < t_pinned]
+    after = [d for t, d, _ in calls if t_pinned is not None and t >= t_pinned]
+    slowest = {
+        name: max((d for _, d, n in calls if n == name), default=0.0) * 1e3
+        for name in ("try_resume", "on_prefill_step", "poll")
+    }
+    pin_s = (t_pinned - first_store) if t_pinned else float("nan")
+    return {
+        "host_gib": a.host_gib,
+        "pin_step_mib": a.pin_step_mib,
+        "pinning": pinning,
+        "pinned": t_pinned is not None,
+        "pin_seconds": pin_s,
+        "pin_gib_per_s": s["host_bytes_pinned"] / (1 << 30) / pin_s if t_pinned else None,
+        "calls_while_pinning": len(during),
+        "max_call_ms_while_pinning": max(during, default=0) * 1e3,
+        "p99_call_ms_while_pinning": float(np.percentile(during, 99)) * 1e3 if during else 0.0,
+        "calls_after": len(after),
+        "max_call_ms_after": max(after, default=0) * 1e3,
+        "p99_call_ms_after": float(np.percentile(after, 99)) * 1e3 if after else 0.0,
+        "max_ms_by_call": slowest,
+        "hits": s["hits"],
+        "token_hit_rate": s["token_hit_rate"],
+        "device": a.device,
+    }
+
+
+# Whole: the engine loop it times and the wrappers that time each engine call share the run's state.
 def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.tools.cli import at_least, cache_settings, engine_config, parser, positive
 
@@ -96,33 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_pinned = pinned_at[0] if pinned_at else None
     s = cache.stats_dict()
     cache.close()
-    # The first store starts the pinning.
-    first_store = min((t for t, _, name in calls if name == "on_prefill_step"), default=t_start)
-    during = [d for t, d, _ in calls if t_pinned is None or t < t_pinned]
-    after = [d for t, d, _ in calls if t_pinned is not None and t >= t_pinned]
-    slowest = {
-        name: max((d for _, d, n in calls if n == name), default=0.0) * 1e3
-        for name in ("try_resume", "on_prefill_step", "poll")
-    }
-    pin_s = (t_pinned - first_store) if t_pinned else float("nan")
-    out = {
-        "host_gib": a.host_gib,
-        "pin_step_mib": a.pin_step_mib,
-        "pinning": inner.host_pools[0].pinning,
-        "pinned": t_pinned is not None,
-        "pin_seconds": pin_s,
-        "pin_gib_per_s": s["host_bytes_pinned"] / (1 << 30) / pin_s if t_pinned else None,
-        "calls_while_pinning": len(during),
-        "max_call_ms_while_pinning": max(during, default=0) * 1e3,
-        "p99_call_ms_while_pinning": float(np.percentile(during, 99)) * 1e3 if during else 0.0,
-        "calls_after": len(after),
-        "max_call_ms_after": max(after, default=0) * 1e3,
-        "p99_call_ms_after": float(np.percentile(after, 99)) * 1e3 if after else 0.0,
-        "max_ms_by_call": slowest,
-        "hits": s["hits"],
-        "token_hit_rate": s["token_hit_rate"],
-        "device": a.device,
-    }
+    out = _figures(a, calls, t_start, t_pinned, s, inner.host_pools[0].pinning)
     if a.json:
         print(json.dumps(out))
     else:

@@ -25,6 +25,7 @@ Needs vLLM (0.25.1 through 0.34; the GPU machine's torch pins 0.25.1), a CUDA GP
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -459,8 +460,6 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.tools.cli import at_least, between, parser, plot_file, positive
-
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["--child"]:
         spec = json.loads(args_in[1])
@@ -468,6 +467,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(spec["out"], "w") as f:
             json.dump(result, f)
         return 0
+
+    ap = _parser()
+    args = ap.parse_args(argv)
+    workloads, configs, lengths = _checked(ap, args)
+    try:
+        import torch
+        import vllm  # noqa: F401
+    except ImportError as e:
+        ap.error(f"needs vLLM and torch ({e})")
+    from kvtier.vllm import SETTING_KEYS, resolve_settings
+
+    for c in configs:
+        _, settings = split_config(c)
+        unknown = sorted(set(settings) - set(SETTING_KEYS))
+        if unknown:
+            ap.error(f"--configs: {c!r}: {unknown} are not settings of kvtier's vLLM spec ({', '.join(SETTING_KEYS)})")
+        try:
+            resolve_settings(settings)
+        except ValueError as e:
+            ap.error(f"--configs: {c!r}: {e}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+
+    work = tempfile.mkdtemp(prefix="kvtier-serve-")
+    common = {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_batched_tokens": 8192,
+        "lengths": args.lengths,
+        "noreuse": args.noreuse,
+        "repeats": args.repeats,
+        "think_s": args.think_s,
+    }
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "configs": configs}
+    if "prefix" in workloads:
+        _prefix(report, args, common, configs, lengths, work)
+    if "trace" in workloads:
+        report["trace"] = _trace(args, common, configs, work)
+    if "l3" in workloads:
+        report["l3"] = run_l3(args, common, lengths, work)
+    print("greedy token ids identical in every configuration")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kvtier.tools.cli import at_least, between, parser, plot_file, positive
 
     ap = parser("kvtier bench serve", __doc__)
     ap.add_argument("--workloads", default="prefix,trace", help=f"comma-separated: {', '.join(WORKLOADS)}")
@@ -501,7 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log", help="append every engine's output here")
     ap.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
     ap.add_argument("--plot", type=plot_file, metavar="PNG", help="draw turn-2 times and trace TTFT here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _checked(ap: argparse.ArgumentParser, args: Any) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+    """The workloads, the configurations and the prefix lengths asked for, each checked (``ap.error`` otherwise)."""
     workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
     for w in workloads:
@@ -524,85 +577,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             parse_lengths(args.noreuse)
     except ValueError as e:
         ap.error(str(e))
-    try:
-        import torch
-        import vllm  # noqa: F401
-    except ImportError as e:
-        ap.error(f"needs vLLM and torch ({e})")
-    from kvtier.vllm import SETTING_KEYS, resolve_settings
+    return workloads, configs, lengths
 
-    for c in configs:
-        _, settings = split_config(c)
-        unknown = sorted(set(settings) - set(SETTING_KEYS))
-        if unknown:
-            ap.error(f"--configs: {c!r}: {unknown} are not settings of kvtier's vLLM spec ({', '.join(SETTING_KEYS)})")
-        try:
-            resolve_settings(settings)
-        except ValueError as e:
-            ap.error(f"--configs: {c!r}: {e}")
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
 
-    work = tempfile.mkdtemp(prefix="kvtier-serve-")
+def _prefix(
+    report: dict[str, Any],
+    args: Any,
+    common: dict[str, Any],
+    configs: list[str],
+    lengths: list[tuple[int, int]],
+    work: str,
+) -> None:
+    """The prefix workload (and the no-reuse one) in every configuration, into ``report``."""
     longest = max(n for n, _ in lengths) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
-    common = {
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_num_batched_tokens": 8192,
-        "lengths": args.lengths,
-        "noreuse": args.noreuse,
-        "repeats": args.repeats,
-        "think_s": args.think_s,
-    }
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "configs": configs}
-    if "prefix" in workloads:
-        model_dir = write_model(os.path.join(work, "prefix-model"), args.model, longest)
-        a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
-             "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib,
-             "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
-        results = [_spawn(c, "prefix", a, args.log) for c in configs]
-        check_identical(results, _tokens_of_prefix)
-        if args.noreuse:
-            check_identical(results, lambda r: r["noreuse"]["tokens"])
-        report["prefix"] = summarize_prefix(results)
-        report["memcpy_h2d_gbs"] = next(r for r in results if r["config"] == "none")["memcpy_h2d_gbs"]
-        gbs = report["memcpy_h2d_gbs"]
-        print(f"{report['device']}, vLLM {report['vllm']}, model {args.model}; host -> device memcpy {gbs:.1f} GB/s")
-        print_prefix(report["prefix"], configs)
-        if args.noreuse:
-            report["noreuse"] = {r["config"]: r["noreuse"]["requests_per_s"] for r in results}
-            base = report["noreuse"]["none"]
-            print("no reuse: requests/s (against no offloading): " + ", ".join(
-                f"{c} {v:.2f} ({v / base:.3f})" for c, v in report["noreuse"].items()))  # fmt: skip
-        report["prefix_runs"] = [{k: v for k, v in r.items()} for r in results]
-    if "trace" in workloads:
-        model_dir = write_model(os.path.join(work, "trace-model"), args.trace_model, args.trace_max_tokens + BLOCK)
-        a = {**common, "model": args.trace_model, "model_dir": model_dir,
-             "max_model_len": args.trace_max_tokens + BLOCK, "gpu_blocks": args.trace_gpu_blocks,
-             "host_gib": args.trace_host_gib, "trace": args.trace, "trace_requests": args.trace_requests,
-             "trace_max_tokens": args.trace_max_tokens, "kv_bytes": kv_bytes_per_token(args.trace_model)}  # fmt: skip
-        results = [_spawn(c, "trace", a, args.log) for c in configs]
-        check_identical(results, lambda r: r["trace"]["tokens"])
-        report["trace"] = {r["config"]: {k: v for k, v in r["trace"].items() if k != "tokens"} for r in results}
-        host_tokens = args.trace_host_gib * 2**30 / kv_bytes_per_token(args.trace_model)
-        print(f"trace: first {args.trace_requests} requests, model {args.trace_model}, host {host_tokens:,.0f} tokens")
-        for c, t in report["trace"].items():
-            print(f"  {c:<16} TTFT p50 {t['ttft_p50_s'] * 1e3:7.1f} ms p99 {t['ttft_p99_s'] * 1e3:7.1f} ms, "
-                  f"{t['requests_per_s']:.2f} req/s, hit tokens: GPU {t['gpu_hit_tokens']:,} "
-                  f"host tier {t['tier_hit_tokens']:,} of {t['prompt_tokens']:,}")  # fmt: skip
-    if "l3" in workloads:
-        report["l3"] = run_l3(args, common, lengths, work)
-    print("greedy token ids identical in every configuration")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        plot(report, args.plot)
-    return 0
+    model_dir = write_model(os.path.join(work, "prefix-model"), args.model, longest)
+    a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
+         "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib,
+         "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
+    results = [_spawn(c, "prefix", a, args.log) for c in configs]
+    check_identical(results, _tokens_of_prefix)
+    if args.noreuse:
+        check_identical(results, lambda r: r["noreuse"]["tokens"])
+    report["prefix"] = summarize_prefix(results)
+    report["memcpy_h2d_gbs"] = next(r for r in results if r["config"] == "none")["memcpy_h2d_gbs"]
+    gbs = report["memcpy_h2d_gbs"]
+    print(f"{report['device']}, vLLM {report['vllm']}, model {args.model}; host -> device memcpy {gbs:.1f} GB/s")
+    print_prefix(report["prefix"], configs)
+    if args.noreuse:
+        report["noreuse"] = {r["config"]: r["noreuse"]["requests_per_s"] for r in results}
+        base = report["noreuse"]["none"]
+        print("no reuse: requests/s (against no offloading): " + ", ".join(
+            f"{c} {v:.2f} ({v / base:.3f})" for c, v in report["noreuse"].items()))  # fmt: skip
+    report["prefix_runs"] = [{k: v for k, v in r.items()} for r in results]
+
+
+def _trace(args: Any, common: dict[str, Any], configs: list[str], work: str) -> dict[str, Any]:
+    """The trace workload in every configuration: its figures by configuration."""
+    model_dir = write_model(os.path.join(work, "trace-model"), args.trace_model, args.trace_max_tokens + BLOCK)
+    a = {**common, "model": args.trace_model, "model_dir": model_dir,
+         "max_model_len": args.trace_max_tokens + BLOCK, "gpu_blocks": args.trace_gpu_blocks,
+         "host_gib": args.trace_host_gib, "trace": args.trace, "trace_requests": args.trace_requests,
+         "trace_max_tokens": args.trace_max_tokens, "kv_bytes": kv_bytes_per_token(args.trace_model)}  # fmt: skip
+    results = [_spawn(c, "trace", a, args.log) for c in configs]
+    check_identical(results, lambda r: r["trace"]["tokens"])
+    trace = {r["config"]: {k: v for k, v in r["trace"].items() if k != "tokens"} for r in results}
+    host_tokens = args.trace_host_gib * 2**30 / kv_bytes_per_token(args.trace_model)
+    print(f"trace: first {args.trace_requests} requests, model {args.trace_model}, host {host_tokens:,.0f} tokens")
+    for c, t in trace.items():
+        print(f"  {c:<16} TTFT p50 {t['ttft_p50_s'] * 1e3:7.1f} ms p99 {t['ttft_p99_s'] * 1e3:7.1f} ms, "
+              f"{t['requests_per_s']:.2f} req/s, hit tokens: GPU {t['gpu_hit_tokens']:,} "
+              f"host tier {t['tier_hit_tokens']:,} of {t['prompt_tokens']:,}")  # fmt: skip
+    return trace
 
 
 def run_l3(args: Any, common: dict[str, Any], lengths: list[tuple[int, int]], work: str) -> dict[str, Any]:
     """Turn 1 in one process, turn 2 in a new one served from the Store; recompute in a third for the ratio."""
-    from kvtier.l3.server import LocalMooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     longest = max(n for n, _ in lengths) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
     model_dir = write_model(os.path.join(work, "l3-model"), args.model, longest)

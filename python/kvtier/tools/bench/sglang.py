@@ -164,14 +164,15 @@ def page_bytes_of(pool: Any, index: int) -> Any:
     return pool.get_data_page(index).contiguous().view(torch.uint8)
 
 
+# Whole: one measurement set up, timed and checked in the order it runs.
 def shapes(pool: Any, pages: int, rounds: int, segment_bytes: int) -> dict[str, dict[str, float]]:
     """Median seconds of a put and a get of ``pages`` pages of a SGLang host pool in each object shape, by a plain
     Mooncake client (see the module's text): pages ``0..pages`` are put, and got into pages ``pages..2 pages``."""
     import torch
 
     from kvtier._core import L3_HEADER_BYTES
-    from kvtier.l3.server import LocalMooncake
     from kvtier.l3.store import import_mooncake
+    from kvtier.tools.mooncake import LocalMooncake
 
     mc = import_mooncake()
     ptrs, sizes = pool.get_page_buffer_meta(torch.arange(2 * pages * pool.page_size))
@@ -262,7 +263,7 @@ def segment_mib(a: argparse.Namespace, page_bytes: int, copies: int) -> int:
     backend or object shape, and nothing is removed; Mooncake needs room beyond the bytes it holds. Raises
     ValueError when ``--segment-mib`` is too small for that."""
     from kvtier._core import L3_HEADER_BYTES
-    from kvtier.l3.server import MIN_SEGMENT_BYTES
+    from kvtier.tools.mooncake import MIN_SEGMENT_BYTES
 
     puts = copies * (a.rounds + 1) * a.pages * (page_bytes + L3_HEADER_BYTES)
     need = max(-(-puts * 5 // (4 << 20)), MIN_SEGMENT_BYTES >> 20)  # a quarter on top of what is put, in MiB
@@ -289,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import torch
 
-        from kvtier.l3.server import LocalMooncake
         from kvtier.l3.store import import_mooncake
+        from kvtier.tools.mooncake import LocalMooncake
 
         import_mooncake()
         pool = host_pool(pages=2 * a.pages, page_size=a.page_size, layers=a.layers, heads=a.heads, head_dim=a.head_dim)
@@ -343,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name]["rejected"] = storage.stats()["l3_rejected"]
             if hasattr(storage, "close"):
                 storage.close()
+    return _report(a, results, page_bytes)
+
+
+def _report(a: argparse.Namespace, results: dict[str, Any], page_bytes: int) -> int:
+    """Prints each backend's rates and their ratios to SGLang's own backend (one JSON object with --json)."""
     base = results["sglang mooncake"]
     for r in results.values():
         for op in ("batch_set_v1_GBps", "batch_get_v1_GBps"):

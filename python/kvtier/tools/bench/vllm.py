@@ -6,7 +6,7 @@ Both managers run side by side in one process on the same keys (vLLM's OffloadKe
 complete_store, the request's on_request_finished, and the store's two calls together (prepare+complete). kvtier's
 manager runs with each eviction policy. Needs vLLM 0.25.1 through 0.34 (`pip install ".[vllm]"` from kvtier's source).
 
-With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm_copy.ChunkCopier``) on KV tensors of
+With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm.copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
 bytes, whether the round trip is exact, and a bf16 GEMM (8192^3, 20 times) alone and with a store and a load on
 kvtier's copy streams beside it (seven of each in turn, medians).
@@ -100,11 +100,12 @@ def _memcpy(nbytes: int) -> tuple[float, float]:
     return _best(lambda: host.copy_(dev, non_blocking=True)), _best(lambda: dev.copy_(host, non_blocking=True))
 
 
+# Whole: one measurement set up, timed and checked in the order it runs.
 def _copies_row(name: str, tensors: list[Any], copy_method: str = "auto") -> dict[str, Any]:
     """One layout's row of ``copies()``."""
     import torch
 
-    from kvtier.vllm_copy import ChunkCopier, byte_rows
+    from kvtier.vllm.copy import ChunkCopier, byte_rows
 
     blocks = int(tensors[0].shape[0])
     copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks, copy_method=copy_method)

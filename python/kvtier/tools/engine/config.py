@@ -52,6 +52,12 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_layers()
+        self._check_device()
+        self._check_bytes()
+
+    def _check_counts(self) -> None:
         for name in (
             "vocab",
             "hidden",
@@ -77,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.vocab must be at least 2, got {self.vocab!r}")
         if self.head_dim % 2:
             raise ValueError(f"EngineConfig.head_dim must be even (rotary embedding), got {self.head_dim!r}")
+
+    def _check_layers(self) -> None:
         pattern = self.layer_pattern
         if not isinstance(pattern, str) or not pattern or set(pattern) - {FULL, SLIDING}:
             raise ValueError(
@@ -95,6 +103,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.chunk_size {self.chunk_size!r} must be a multiple of block_size {self.block_size!r}"
             )
+
+    def _check_device(self) -> None:
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -103,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be cpu or cuda, got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device {self.device!r} asks for CUDA, which is not available")
+
+    def _check_bytes(self) -> None:
         if self.num_sliding_layers and self.ring_size < self.block_size:
             raise ValueError(
                 f"window + ring_slack ({self.window!r} + {self.ring_slack!r}) must be at least "

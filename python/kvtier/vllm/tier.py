@@ -6,13 +6,13 @@ Selected (vLLM 0.25.1 through 0.34) by the tiering spec's extra config::
         {"type": "KvtierMooncakeTier", "module_path": "kvtier.vllm",
          "l3_master": "10.0.0.5:50051", "model_version": "<checkpoint revision>", "hash_key": "<secret>"}]}
 
-The tier runs in vLLM's scheduler process under vLLM's CPU tier and moves whole CPU chunks (rows of the CPU tier's
-shared region: every rank's bytes of the chunk) to and from Mooncake Store. Each chunk is one kvtier object: a
-header (format, fingerprint digest, the chunk's key, payload length, digests) before the row's bytes. The
-fingerprint covers the model (vLLM's model name and dtype, and ``model_version``), the parallel layout (TP, PP,
-context-parallel sizes), the chunk's bytes and tokens; the key is vLLM's ``OffloadKey`` mapped to 128 bits under
-``hash_key``. An object that fails its check is removed from the Store and never copied into vLLM's CPU tier: its
-chunk's load fails.
+The tier runs in vLLM's scheduler process under vLLM's CPU tier and moves whole vLLM chunks (rows of the CPU tier's
+shared region: every rank's bytes of the vLLM chunk; "chunk" in this module is always a vLLM chunk) to and from
+Mooncake Store. Each vLLM chunk is one kvtier object: a header (format, fingerprint digest, the vLLM chunk's key,
+payload length, digests) before the row's bytes. The fingerprint covers the model (vLLM's model name and dtype, and
+``model_version``), the parallel layout (TP, PP, context-parallel sizes), the vLLM chunk's bytes and tokens; the
+key is vLLM's ``OffloadKey`` mapped to 128 bits under ``hash_key``. An object that fails its check is removed from
+the Store and never copied into vLLM's CPU tier: its vLLM chunk's load fails.
 
 Non-blocking as the framework requires: ``submit_store`` / ``submit_load`` queue the job for one background
 thread, which stages objects through two registered buffers of its own (nothing of vLLM's memory is registered
@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 # isort: off
-# The release check first; what differs between releases comes from kvtier.vllm_release.
-from kvtier.vllm_release import (
+# The release check first; what differs between releases comes from kvtier.vllm.release.
+from kvtier.vllm.release import (
     MEDIUM_STORAGE,
     TIER_BASE_PARAMETERS,
     TIER_EVENTS,
@@ -80,7 +80,7 @@ def tier_settings(config: Mapping[str, Any]) -> CacheSettings:
 
 
 def chunk_identity(spec: Any, row_bytes: int, model_version: str) -> dict[str, str]:
-    """The fingerprint fields of a vLLM CPU chunk: model, parallel layout, and the chunk's bytes and tokens."""
+    """The fingerprint fields of a vLLM chunk in vLLM's CPU tier: model, parallel layout, its bytes and tokens."""
     layout = spec_layout(spec)
     shard = Shard(tp_rank=0, tp_size=layout.tp_size, pp_rank=0, pp_size=layout.pp_size, cp_rank=0,
                   cp_size=layout.pcp_size)  # fmt: skip
@@ -120,6 +120,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     medium: ClassVar[Any] = MEDIUM_STORAGE
 
+    # Whole: vLLM's view checked, the object path and the Store made, the job thread started, in the order each
+    # needs the one before (a Store that fails to register is closed here).
     def __init__(
         self,
         offloading_spec: Any,
@@ -190,8 +192,8 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     # --- the framework's calls (scheduler thread, never blocking) ---
 
-    def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
-        """The Store key of each vLLM key's object (``object_bytes`` long: header and chunk)."""
+    def object_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
+        """The Store key of each vLLM key's object (``object_bytes`` long: header and vLLM chunk)."""
         return self._format.store_keys(self._format.keys([bytes(k).hex() for k in keys]))
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -306,7 +308,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
     def _probe(self, keys: list[bytes]) -> None:
         """Asks the Store which of ``keys`` it has; an error answers 'not there' (the request goes on without)."""
         try:
-            codes = self.store.exists_many(self.store_keys(keys))
+            codes = self.store.exists_many(self.object_keys(keys))
         except Exception as e:  # a Store failure is a miss, never an exception in vLLM's scheduler
             log.warning("KvtierMooncakeTier: asking the Store about %d keys failed: %s", len(keys), e)
             codes = [0] * len(keys)
@@ -323,7 +325,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
                     self._probed[key] = False
 
     def _pieces(self, job: Any) -> tuple[list[bytes], list[list[tuple[int, int]]]]:
-        """Each key of a job (vLLM's key bytes) and its chunk's row in vLLM's CPU tier as the object's payload."""
+        """Each key of a job (vLLM's key bytes) and its vLLM chunk's row in vLLM's CPU tier as the object's payload."""
         keys = [bytes(k) for k in job.keys]
         rows = [[(self._base + int(c) * self._stride, self._row_bytes)] for c in np.asarray(job_chunk_ids(job))]
         return keys, rows

@@ -1,8 +1,9 @@
-"""The copy half of kvtier's vLLM worker, without vLLM: KV blocks <-> a host pool of chunks (``ChunkCopier``).
+"""The copy half of kvtier's vLLM worker, without vLLM: KV blocks <-> a host pool of vLLM chunks (``ChunkCopier``).
 
 vLLM's offloading worker (``kvtier.vllm.KvtierWorker``) hands this its KV tensors and, for each transfer, the
-block ids, KV-group sizes, first-block indices and chunk ids of vLLM's load/store specs. The host pool holds
-``num_chunks * blocks_per_chunk`` slots: slot ``c * blocks_per_chunk + j`` is block ``j`` of chunk ``c``, the
+block ids, KV-group sizes, first-block indices and vLLM chunk ids of vLLM's load/store specs ("chunk" here is
+always a vLLM chunk: ``blocks_per_chunk`` KV blocks). The host pool holds ``num_chunks * blocks_per_chunk`` host
+blocks: host block ``c * blocks_per_chunk + j`` is block ``j`` of vLLM chunk ``c``, the
 bytes of every KV tensor of that block back to back (tensors of one shape share a page copier and a pool).
 
 On CUDA tensors a transfer is enqueued on one of kvtier's copy streams (stores, loads, expedited loads), after an
@@ -56,13 +57,15 @@ class _Run:
 
 
 class ChunkCopier:
-    """KV blocks of ``tensors`` <-> host slots, by vLLM's specs' numbers (see the module's text).
+    """KV blocks of ``tensors`` <-> host blocks, by vLLM's specs' numbers (see the module's text).
 
     ``groups[g]`` lists the tensor indices KV group ``g`` uses. ``submit`` checks every id before copying and
     raises ValueError naming what does not fit; a CUDA failure while copying is a failed job (``finished()``
     reports it), never an exception into the engine loop.
     """
 
+    # Whole: this copier redoes the core executor's setup (host pools, streams, events) and goes once the vLLM
+    # worker runs on that executor.
     def __init__(
         self,
         tensors: Sequence[Any],
@@ -161,8 +164,8 @@ class ChunkCopier:
     def pairs(
         self, gpu_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int], chunk_ids: Any
     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """For each KV group with blocks: (group, its block ids, the host slots they pair with), as vLLM's specs
-        say (a group's first block may sit in the middle of its first chunk: ``block_indices``)."""
+        """For each KV group with blocks: (group, its block ids, the host blocks they pair with), as vLLM's specs
+        say (a group's first block may sit in the middle of its first vLLM chunk: ``block_indices``)."""
         gpu_ids = np.asarray(gpu_ids)
         chunk_ids = np.asarray(chunk_ids)
         if len(group_sizes) != len(self.group_runs) or len(block_indices) != len(self.group_runs):
@@ -206,7 +209,7 @@ class ChunkCopier:
         chunk_ids: Any,
         lane: str | None = None,
     ) -> None:
-        """Copies the blocks to their host slots (``to_host``) or back; ``lane``: "store", "load" or "expedited"
+        """Copies the blocks to their host blocks (``to_host``) or back; ``lane``: "store", "load" or "expedited"
         (default: "store" for ``to_host``, else "load")."""
         lane = lane or ("store" if to_host else "load")
         if lane not in LANES:
@@ -261,7 +264,7 @@ class ChunkCopier:
             self._collect(self._queue.wait_all())
 
     def host_view(self, copier: int = 0) -> np.ndarray:
-        """One copier's host pool as ``[slots, page bytes]`` uint8 (no copy)."""
+        """One copier's host pool as ``[host blocks, block bytes]`` uint8 (no copy)."""
         from kvtier.copy import host_array
 
         return host_array(self.host_pools[copier])

@@ -8,15 +8,17 @@ One line selects it (vLLM 0.25.1 through 0.34)::
 
 (``--kv-offloading-size`` fills ``cpu_bytes_to_use``; kvtier's ``host_bytes`` setting may be given instead.)
 
+vLLM offloads KV in **vLLM chunks** (``blocks_per_chunk`` GPU blocks under one ``OffloadKey``; vLLM's own names
+``chunk_ids``, ``num_chunks``, ``blocks_per_chunk`` are kept in code, where "chunk" always means a vLLM chunk).
 vLLM builds the spec in the scheduler process and in every worker process; they share nothing but what the
-connector passes between them, the chunk ids in the load/store specs. So:
+connector passes between them, the vLLM chunk ids in the load/store specs. So:
 
 - ``get_manager()`` (scheduler) is kvtier's index keyed by vLLM's own ``OffloadKey`` bytes (block hash + group):
-  it decides which host slot (vLLM's "chunk") each key goes to, what to evict (kvtier's policy: ``lru`` or
+  it decides which host slot (one vLLM chunk) each key goes to, what to evict (kvtier's policy: ``lru`` or
   ``adaptive``) and reports vLLM's KV events with medium CPU. It never touches KV bytes.
 - ``get_worker(kv_caches)`` (every worker) copies between vLLM's KV caches and a pinned host pool of its own rank:
-  slot ``c`` of that pool holds this rank's bytes of chunk ``c``, the slot the manager decided. Both sides size the
-  pool from the same config (host bytes / (bytes of a chunk on every rank)), so their slot ranges agree. Copies run
+  vLLM chunk ``c`` of that pool holds this rank's bytes of the manager's host slot ``c``. Both sides size the
+  pool from the same config (host bytes / (bytes of a vLLM chunk on every rank)), so their ranges agree. Copies run
   through kvtier's page copier (copy engine or kernel by piece size) on kvtier's own streams, ordered after vLLM's
   current stream by events; completions come back through ``get_finished``. On CPU tensors copies are memcpy and
   complete at once.
@@ -28,7 +30,7 @@ builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
-``kvtier.vllm_release``; importing this module under any other vLLM raises ImportError naming the range.
+``kvtier.vllm.release``; importing this module under any other vLLM raises ImportError naming the range.
 ``import kvtier`` never imports vLLM.
 """
 
@@ -42,9 +44,9 @@ from typing import Any
 import numpy as np
 
 # isort: off
-# The release check first (kvtier.vllm_release refuses a vLLM outside the range by name); the names imported from
+# The release check first (kvtier.vllm.release refuses a vLLM outside the range by name); the names imported from
 # vLLM after it are in every supported release.
-from kvtier.vllm_release import (
+from kvtier.vllm.release import (
     CPU_METRICS,
     HAS_WRITE_READ_USAGE,
     HOST_HIT_SOURCE,
@@ -85,7 +87,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 # isort: on
 from kvtier._core import BadArgument, Index, IndexConfig
 from kvtier.settings import VLLM, CacheSettings, for_scope, scope_names
-from kvtier.vllm_copy import ChunkCopier
+from kvtier.vllm.copy import ChunkCopier
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -363,7 +365,8 @@ class KvtierManager(OffloadingManager):
 
 class KvtierWorker(OffloadingWorker):
     """vLLM's offloading worker on kvtier's page copier: vLLM's KV caches (CUDA, or CPU tensors) <-> this rank's
-    pinned host pool, chunk ``c`` of the manager in slots ``c * blocks_per_chunk ..`` (``kvtier.vllm_copy``)."""
+    pinned host pool, the manager's vLLM chunk ``c`` in host blocks ``c * blocks_per_chunk ..``
+    (``kvtier.vllm.copy``)."""
 
     def __init__(
         self,
@@ -460,8 +463,8 @@ class KvtierWorker(OffloadingWorker):
         self.copier.wait(job_ids)
 
     def host_view(self, copier: int = 0) -> np.ndarray:
-        """One copier's host pool as ``[slots, page bytes]`` uint8 (no copy): slot ``c * blocks_per_chunk + j``
-        holds block ``j`` of chunk ``c``."""
+        """One copier's host pool as ``[host blocks, block bytes]`` uint8 (no copy): host block
+        ``c * blocks_per_chunk + j`` holds block ``j`` of vLLM chunk ``c``."""
         return self.copier.host_view(copier)
 
     def shutdown(self) -> None:
@@ -517,7 +520,7 @@ class KvtierSpec(OffloadingSpec):
                 "kvtier sizes its host pool from both"
             )
         self.blocks_per_chunk = self.layout.blocks_per_chunk
-        # A chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
+        # A vLLM chunk's bytes on every rank: each rank keeps its part in a pool of its own, at the same slot.
         self.kv_bytes_per_chunk = per_block * world_size * self.blocks_per_chunk
         self.num_chunks = int(self.settings.host_bytes) // self.kv_bytes_per_chunk
         if self.num_chunks < 1:
@@ -570,7 +573,7 @@ class KvtierTieringSpec(TieringOffloadingSpec):
 
 def _register_tier() -> None:
     try:
-        SecondaryTierFactory.register_tier("KvtierMooncakeTier", "kvtier.vllm_tier", "KvtierMooncakeTier")
+        SecondaryTierFactory.register_tier("KvtierMooncakeTier", "kvtier.vllm.tier", "KvtierMooncakeTier")
     except ValueError:  # registered already (this module imported again)
         pass
 
@@ -579,9 +582,9 @@ _register_tier()
 
 
 def __getattr__(name: str) -> Any:
-    # The Mooncake tier (kvtier.vllm_tier) is imported when vLLM's tier factory asks for it, not with the spec.
+    # The Mooncake tier (kvtier.vllm.tier) is imported when vLLM's tier factory asks for it, not with the spec.
     if name == "KvtierMooncakeTier":
-        from kvtier.vllm_tier import KvtierMooncakeTier
+        from kvtier.vllm.tier import KvtierMooncakeTier
 
         return KvtierMooncakeTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""A local Mooncake master and holder on loopback ports, for tests, demos and single-host deployments.
+"""A local Mooncake master and holder on loopback ports, for the tests, the demo, the soak and the benchmarks
+(``kvtier bench l3``, ``serve``, ``sglang``); no part of the library imports it.
 
 The master keeps only metadata; the bytes live in the segments that clients contribute. The holder is a
 long-lived `mooncake_client` process that contributes a segment, so objects survive the engine processes that put
@@ -7,14 +8,12 @@ them (an engine then contributes 0 bytes of its own).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import threading
@@ -23,6 +22,8 @@ import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from kvtier.l3.store import port_open
 
 LOOPBACK = "127.0.0.1"
 
@@ -57,36 +58,6 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """True when a server accepts a TCP connection to host:port within `timeout_s`.
-
-    While nothing listens on a port of the ephemeral range, a connect to it from the same address can meet itself
-    (TCP simultaneous open, the kernel having picked the target port as the source port). That is no server, and
-    the connection's TIME_WAIT then keeps the server from binding the port (Mooncake's master exits). So a loopback
-    target is probed from another loopback address, where this cannot happen, and a connection to itself counts as
-    closed and is reset, leaving no TIME_WAIT behind.
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.settimeout(timeout_s)
-            ip = str(addr[0])
-            if family == socket.AF_INET and ip.startswith("127."):
-                with contextlib.suppress(OSError):  # a sandbox may allow 127.0.0.1 only: the check below still holds
-                    s.bind(("127.0.0.2" if ip != "127.0.0.2" else "127.0.0.3", 0))
-            try:
-                s.connect(addr)
-            except OSError:
-                continue
-            if s.getsockname() != s.getpeername():
-                return True
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    return False
 
 
 # Looked up here, not in the child: after fork only the forking thread exists, and dlopen's lock may be held by a
@@ -416,4 +387,4 @@ def _stop_all(procs: list[_Process], log_dir: Path, timeout_s: float) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-__all__ = ["LOOPBACK", "MIN_SEGMENT_BYTES", "LocalMooncake", "MooncakeServerError", "free_port", "port_open"]
+__all__ = ["LOOPBACK", "MIN_SEGMENT_BYTES", "LocalMooncake", "MooncakeServerError", "free_port"]

@@ -280,6 +280,7 @@ class PyIndex:
         t = Ticket(hit_tokens, [(k, False) for k in keys[:n]], [(keys[n - 1], False)] if self.has_states else [])
         return self._issue(t), slots, state  # type: ignore[return-value]
 
+    # Whole: it follows Index::plan_store (rust/index/mod.rs) step by step, so the two read side by side.
     def plan_store(
         self, request_id: str, tokens: Sequence[int], seq_len: int | None = None, namespace: bytes = b""
     ) -> tuple[int, list[int], list[int], list[int], list[int]]:

@@ -365,7 +365,7 @@ class KvtierStore(HiCacheStorage):
     def _fmt(self) -> ObjectFormat:
         return self._host_pool().fmt
 
-    def store_keys(self, keys: Sequence[str], pool: Any = PoolName.KV) -> list[str]:
+    def object_keys(self, keys: Sequence[str], pool: Any = PoolName.KV) -> list[str]:
         """The Store key of each SGLang page hash in a host pool (SGLang's ``PoolName``, the KV pool unless
         given)."""
         _check_keys(keys)
