@@ -3,6 +3,8 @@
 //! share the pools, references, ready flags, reservations, policy, statistics and events of token chains and never
 //! meet a chain's key. The engine's bytes are kept by page slot, so what is evicted is reported in them, and a key
 //! is found by its bytes (compared in full) under the current model version.
+use std::collections::{HashMap, VecDeque};
+
 use super::{Index, Ticket, TicketKind};
 use crate::error::{invalid, Result};
 use crate::index::chain::Key;
@@ -69,6 +71,34 @@ pub enum KeyState {
 pub struct KeyCompletion {
     pub matched: usize,
     pub due: Vec<(u64, bool)>,
+}
+
+/// The loads of engine keys in flight: for each key, the `load_keys` tickets it is owed a report for, oldest
+/// first, and how many reports each ticket still awaits. A ticket settled another way (`complete`, `abort`) is
+/// forgotten here, and its keys' later reports go to their next load.
+#[derive(Debug, Default)]
+pub(super) struct KeyLoads {
+    by_key: HashMap<Vec<u8>, VecDeque<u64>>,
+    remaining: HashMap<u64, usize>,
+}
+
+impl KeyLoads {
+    pub(super) fn forget(&mut self, ticket: u64) {
+        self.remaining.remove(&ticket);
+    }
+
+    /// The oldest live load `key` is owed a report for, dropping settled ones from its queue.
+    fn oldest(&mut self, key: &[u8]) -> Option<u64> {
+        let queue = self.by_key.get_mut(key)?;
+        while let Some(&id) = queue.front() {
+            if self.remaining.contains_key(&id) {
+                return Some(id);
+            }
+            queue.pop_front();
+        }
+        self.by_key.remove(key);
+        None
+    }
 }
 
 /// An engine key's bytes, kept inline (a key is at most `MAX_ENGINE_KEY_BYTES`; a chain key's 16 bytes
@@ -401,7 +431,44 @@ impl Index {
             states: Vec::new(),
             epoch: 0,
         });
+        for k in keys {
+            self.key_loads.by_key.entry(k.as_ref().to_vec()).or_default().push_back(ticket);
+        }
+        self.key_loads.remaining.insert(ticket, keys.len());
         Ok(SlotPlan { ticket, page_slots: slots.into_iter().map(Some).collect(), state_slots: Vec::new() })
+    }
+
+    /// Reports the host -> GPU copies of these keys done, each to the oldest `load_keys` ticket in flight that
+    /// named it; a ticket completes once each of its keys is reported. Returns how many tickets completed. A key
+    /// reported more often than loads of it are in flight is an error naming it, and nothing is reported.
+    pub fn complete_load_keys<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
+        check_lengths(keys)?;
+        let mut owed: HashMap<&[u8], usize> = HashMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            let k = k.as_ref();
+            let n = owed.entry(k).or_insert(0);
+            *n += 1;
+            let live = self.key_loads.oldest(k).map_or(0, |_| {
+                self.key_loads.by_key[k].iter().filter(|id| self.key_loads.remaining.contains_key(id)).count()
+            });
+            if *n > live {
+                return Err(invalid(format!("keys[{i}] has no load in flight")));
+            }
+        }
+        let mut due = Vec::new();
+        for k in keys {
+            let id = self.key_loads.oldest(k.as_ref()).expect("checked above");
+            self.key_loads.by_key.get_mut(k.as_ref()).expect("checked above").pop_front();
+            let left = self.key_loads.remaining.get_mut(&id).expect("a live load");
+            *left -= 1;
+            if *left == 0 {
+                due.push(id);
+            }
+        }
+        for &id in &due {
+            self.complete(id)?;
+        }
+        Ok(due.len())
     }
 
     /// Plans a GPU -> host store of the pages of `keys`: those already on the host are skipped (a ready one is
@@ -514,6 +581,43 @@ mod tests {
         assert_eq!(ix.lookup_key(&k(1)).unwrap(), KeyState::Absent);
         assert_eq!(ix.lookup_key(&k(3)).unwrap(), KeyState::Ready);
         assert_eq!((ix.stats().lookups, ix.stats().lookup_tokens), (4, 16));
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn loads_complete_when_each_of_their_keys_is_reported_to_the_oldest_load_of_it() {
+        let mut ix = index(4);
+        let p = ix.store_keys(&[k(1), k(2), k(3)]).unwrap().unwrap();
+        ix.complete(p.ticket).unwrap();
+        let a = ix.load_keys(&[k(1), k(2)]).unwrap().ticket;
+        let b = ix.load_keys(&[k(2), k(3)]).unwrap().ticket;
+        // More reports of a key than loads of it in flight: an error naming it, and nothing reported.
+        let err = ix.complete_load_keys(&[k(2), k(2), k(2)]).unwrap_err().to_string();
+        assert!(err.contains("keys[2] has no load in flight"), "{err}");
+        assert!(ix.complete_load_keys(&[k(4)]).is_err(), "a key never loaded");
+        // k(2)'s first report goes to a, the oldest load of it; a completes with k(1), b with k(3) and k(2) again.
+        assert_eq!(ix.complete_load_keys(&[k(2), k(3)]).unwrap(), 0);
+        assert_eq!(ix.complete_load_keys(&[k(1)]).unwrap(), 1);
+        assert!(ix.complete(a).is_err(), "a completed");
+        assert_eq!(ix.complete_load_keys(&[k(2)]).unwrap(), 1);
+        assert!(ix.complete(b).is_err(), "b completed");
+        assert_eq!(ix.stats().pages_loaded, 4);
+        // Every page is released: a store of three new keys evicts all three.
+        assert_eq!(ix.store_keys(&[k(5), k(6), k(7), k(8)]).unwrap().unwrap().evicted.len(), 3);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn a_load_settled_another_way_is_owed_nothing() {
+        let mut ix = index(2);
+        let p = ix.store_keys(&[k(1)]).unwrap().unwrap();
+        ix.complete(p.ticket).unwrap();
+        let a = ix.load_keys(&[k(1)]).unwrap().ticket;
+        ix.abort(a).unwrap();
+        assert!(ix.complete_load_keys(&[k(1)]).is_err(), "the aborted load is no longer in flight");
+        let b = ix.load_keys(&[k(1)]).unwrap().ticket;
+        assert_eq!(ix.complete_load_keys(&[k(1)]).unwrap(), 1);
+        assert!(ix.complete(b).is_err());
         ix.check().unwrap();
     }
 

@@ -186,6 +186,8 @@ pub struct Index {
     events: EventLog,
     /// The engine's bytes of engine-keyed pages, by slot and found by their bytes.
     names: engine_keys::Names,
+    /// The `load_keys` tickets each engine key is owed a report for (`complete_load_keys`).
+    key_loads: engine_keys::KeyLoads,
 }
 
 impl Index {
@@ -205,6 +207,7 @@ impl Index {
             epoch: 0,
             events: EventLog::new(cfg.event_buffer),
             names: engine_keys::Names::default(),
+            key_loads: engine_keys::KeyLoads::default(),
             cfg,
         })
     }
@@ -722,6 +725,7 @@ impl Index {
     /// Removes a ticket to settle it; a key store's keys not reported yet are forgotten with it.
     fn take_ticket(&mut self, ticket: u64) -> Result<Ticket> {
         let t = self.tickets.remove(&ticket).ok_or(Error::UnknownTicket(ticket))?;
+        self.key_loads.forget(ticket);
         if let TicketKind::KeyStore { remaining, .. } = t.kind {
             if remaining > 0 {
                 self.names.settle_store(ticket, &t.pages);

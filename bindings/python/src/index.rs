@@ -634,6 +634,14 @@ impl PyIndex {
         Ok((p.ticket, slots_array(py, &slots)))
     }
 
+    /// Reports the host -> GPU copies of these engine keys done, each to the oldest `load_keys` ticket in flight
+    /// that named it; a ticket completes once each of its keys is reported. Returns how many completed. A key
+    /// reported more often than loads of it are in flight raises BadArgument naming it, and nothing is reported.
+    fn complete_load_keys(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = engine_keys(keys)?;
+        py.detach(|| self.lock().complete_load_keys(&keys.views())).map_err(to_py)
+    }
+
     /// Plans a GPU -> host store of the pages of these engine keys: `(ticket, indices, slots, evicted)`, the
     /// positions of the keys to copy (those not on the host yet; None when that is every key, in order) with the
     /// slot each goes to (an int32 array), and the engine keys evicted to make room; None when the pool cannot

@@ -36,9 +36,7 @@ constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GP
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -141,14 +139,6 @@ def _key_name(key: bytes) -> str:
     return bytes(key).hex()
 
 
-@dataclass(eq=False)
-class _Load:
-    """One load's index ticket and how many of its keys vLLM has yet to report done."""
-
-    ticket: int
-    remaining: int
-
-
 class KvtierManager(OffloadingManager):
     """vLLM's scheduler-side offloading manager on kvtier's index: host slots keyed by vLLM's ``OffloadKey`` bytes.
 
@@ -196,7 +186,6 @@ class KvtierManager(OffloadingManager):
         self.index = Index(self._config)
         # vLLM calls lookup once a key: the core answers it directly, without a Python frame in between.
         self.lookup = self.index.key_answers(_MISS, _HIT_PENDING, _HIT).lookup  # type: ignore[method-assign,assignment]
-        self._load_tickets: dict[bytes, deque[_Load]] = {}
         # The keys each store in flight copies (what a failed store's event names).
         self._store_keys: dict[int, list[bytes]] = {}
         self._pending_store_keys = 0
@@ -225,23 +214,13 @@ class KvtierManager(OffloadingManager):
         keys = list(keys)
         if not keys:
             return CPULoadStoreSpec([])
-        ticket, slots = self.index.load_keys(keys)
-        t = _Load(ticket, len(keys))
-        for key in keys:
-            self._load_tickets.setdefault(key, deque()).append(t)
+        _, slots = self.index.load_keys(keys)
         return CPULoadStoreSpec(slots)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            queue = self._load_tickets.get(key)
-            if not queue:
-                raise BadArgument(f"complete_load: key {_key_name(key)} has no load in flight")
-            t = queue.popleft()
-            if not queue:
-                del self._load_tickets[key]
-            t.remaining -= 1
-            if t.remaining == 0:
-                self.index.complete(t.ticket)
+        # Each key's report goes to the oldest load of it in flight; a load completes once each of its keys is
+        # reported (the core keeps the load tickets by key, as it keeps the stores').
+        self.index.complete_load_keys(keys)
 
     # --- stores ---
 
