@@ -272,6 +272,8 @@ def test_tensor_parallel_ranks_divide_the_host_bytes() -> None:
         ({"cpu_bytes_to_use": 100}, "host_bytes=100 holds no chunk of 768 bytes"),
         ({"cpu_bytes_to_use": [1]}, r"cpu_bytes_to_use must be a number of bytes, got \[1\]"),
         ({"copy_method": "fast"}, "fast"),
+        # More than any machine has: refused before anything is pinned, as the cache refuses it.
+        ({"host_bytes": "1024GiB"}, r"setting host_bytes=1099511627776 needs \d+ bytes .* this machine has"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(extra: dict[str, Any], message: str) -> None:

@@ -84,7 +84,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 # isort: on
 from kvtier._core import BadArgument, Index, IndexConfig
-from kvtier.settings import VLLM, CacheSettings, for_scope, scope_names
+from kvtier.settings import VLLM, CacheSettings, check_fits, for_scope, scope_names
 from kvtier.vllm.copy import ChunkCopier
 
 __all__ = [
@@ -507,6 +507,8 @@ class KvtierSpec(OffloadingSpec):
                 f"host_bytes={self.settings.host_bytes} holds no chunk of {self.kv_bytes_per_chunk} bytes "
                 f"({per_block} bytes a block x {world_size} ranks x {self.blocks_per_chunk} blocks a chunk)"
             )
+        # Every rank's pool on this machine: host_bytes in all, with the index's bookkeeping of each chunk.
+        check_fits(self.settings, page_slots=self.num_chunks, page_bytes=self.kv_bytes_per_chunk, state_bytes=0)
         self.info = (
             CPUOffloadingInfo.from_config(self.config, self.num_chunks, self.kv_bytes_per_chunk)
             if CPUOffloadingInfo is not None
