@@ -110,9 +110,9 @@ _ABSENT, _READY = 0, 2
 # the stores of a no-reuse run cost 2.2% of its throughput against 6.8% (docs/VLLM.md, "Serving a model").
 WORKER_COPY_METHOD = "kernel"
 # The worker's kernel grid bound unless set otherwise: stores run beside the model's GEMMs, and each CTA they hold is
-# an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape, same run), 2 CTAs against the cache's 8 took a
-# no-reuse run from 0.953 to 0.994 of no offloading's throughput and loaded 8 GiB of 4K prefixes in 0.424 s against
-# 0.451 s (docs/VLLM.md, "Serving a model").
+# an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took a no-reuse
+# run from 0.953 to 0.994 of no offloading's throughput in one run (0.976 and 0.980 in two later ones, 0.967 with 8
+# earlier) and loaded 8 GiB of 4K prefixes in 0.424 s against 0.451 s (docs/VLLM.md, "Serving a model").
 WORKER_COPY_CTAS = 2
 # KV events kept between two drains when vLLM publishes events and event_buffer is not set.
 DEFAULT_EVENT_BUFFER = 1 << 16
