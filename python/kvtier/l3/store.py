@@ -264,7 +264,7 @@ def _check_keys(keys: Sequence[str]) -> None:
         return
     for key in keys:
         if not isinstance(key, str) or not key:
-            raise ValueError(f"keys must be non-empty strings, got {key!r}")
+            raise BadArgument(f"keys must be non-empty strings, got {key!r}")
 
 
 def _check_buffers(
@@ -272,7 +272,7 @@ def _check_buffers(
 ) -> None:
     _check_keys(keys)
     if not len(keys) == len(ptrs_per_key) == len(sizes_per_key):
-        raise ValueError(
+        raise BadArgument(
             f"keys, ptrs_per_key and sizes_per_key differ in length: {len(keys)}, {len(ptrs_per_key)}, "
             f"{len(sizes_per_key)}"
         )
@@ -284,12 +284,12 @@ def _check_buffers(
             return
     for key, ptrs, sizes in zip(keys, ptrs_per_key, sizes_per_key, strict=False):
         if len(ptrs) != len(sizes) or not ptrs:
-            raise ValueError(f"key {key!r}: need as many sizes as pointers, at least one, got {ptrs!r}, {sizes!r}")
+            raise BadArgument(f"key {key!r}: need as many sizes as pointers, at least one, got {ptrs!r}, {sizes!r}")
         for ptr, size in zip(ptrs, sizes, strict=False):
             if not isinstance(ptr, int) or ptr <= 0:
-                raise ValueError(f"key {key!r}: buffer pointers must be positive ints, got {ptr!r}")
+                raise BadArgument(f"key {key!r}: buffer pointers must be positive ints, got {ptr!r}")
             if not isinstance(size, int) or size <= 0:
-                raise ValueError(f"key {key!r}: buffer sizes must be positive ints, got {size!r}")
+                raise BadArgument(f"key {key!r}: buffer sizes must be positive ints, got {size!r}")
 
 
 class MooncakeStore:
@@ -399,9 +399,9 @@ class MooncakeStore:
     def register(self, ptr: int, size: int) -> None:
         """Register host memory [ptr, ptr + size) for transfers (once per pool). Raises L3Error with the code."""
         if not isinstance(ptr, int) or ptr <= 0:
-            raise ValueError(f"ptr must be a positive int, got {ptr!r}")
+            raise BadArgument(f"ptr must be a positive int, got {ptr!r}")
         if not isinstance(size, int) or size <= 0:
-            raise ValueError(f"size must be a positive int, got {size!r}")
+            raise BadArgument(f"size must be a positive int, got {size!r}")
         rc = self._call("register_buffer", self.config.call_timeout_s, self._store.register_buffer, ptr, size)
         if rc != 0:
             raise L3Error(f"register_buffer(ptr=0x{ptr:x}, size={size}) returned {rc} ({error_name(rc)})", rc)
@@ -409,7 +409,7 @@ class MooncakeStore:
     def unregister(self, ptr: int) -> None:
         """Unregister memory given to `register`. Raises L3Error with the code."""
         if not isinstance(ptr, int) or ptr <= 0:
-            raise ValueError(f"ptr must be a positive int, got {ptr!r}")
+            raise BadArgument(f"ptr must be a positive int, got {ptr!r}")
         rc = self._call("unregister_buffer", self.config.call_timeout_s, self._store.unregister_buffer, ptr)
         if rc != 0:
             raise L3Error(f"unregister_buffer(ptr=0x{ptr:x}) returned {rc} ({error_name(rc)})", rc)

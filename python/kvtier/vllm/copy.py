@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._core import CopyError
+from kvtier._core import BadArgument, CopyError
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -33,18 +33,18 @@ def byte_rows(t: Any, name: str) -> Any:
     import torch
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise BadArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() < 1 or t.shape[0] < 1:
-        raise ValueError(f"{name} must have its blocks in the first dimension, got shape {tuple(t.shape)}")
+        raise BadArgument(f"{name} must have its blocks in the first dimension, got shape {tuple(t.shape)}")
     if t.dim() > 1 and not t[0].is_contiguous():
-        raise ValueError(f"{name} must have contiguous blocks (one block's bytes back to back), strides {t.stride()}")
+        raise BadArgument(f"{name} must have contiguous blocks (one block's bytes back to back), strides {t.stride()}")
     rows = t.shape[0]
     block_bytes = t[0].numel() * t.element_size()
     # A strided uint8 view over the same storage: row b starts at the tensor's block b.
     u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
     out = torch.as_strided(u8, (rows, block_bytes), (t.stride(0) * t.element_size(), 1), u8.storage_offset())
     if out.data_ptr() != t.data_ptr():
-        raise ValueError(f"{name} cannot be viewed as [num_blocks, bytes] in place (shape {tuple(t.shape)})")
+        raise BadArgument(f"{name} cannot be viewed as [num_blocks, bytes] in place (shape {tuple(t.shape)})")
     return out
 
 
@@ -60,8 +60,8 @@ class ChunkCopier:
     """KV blocks of ``tensors`` <-> host blocks, by vLLM's specs' numbers (see the module's text).
 
     ``groups[g]`` lists the tensor indices KV group ``g`` uses. ``submit`` checks every id before copying and
-    raises ValueError naming what does not fit; a CUDA failure while copying is a failed job (``finished()``
-    reports it), never an exception into the engine loop.
+    raises ``kvtier.BadArgument`` (a ValueError) naming what does not fit; a CUDA failure while copying is a failed
+    job (``finished()`` reports it), never an exception into the engine loop.
     """
 
     # Whole: this copier redoes the core executor's setup (host pools, streams, events) and goes once the vLLM
@@ -83,21 +83,21 @@ class ChunkCopier:
         from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, HostPool, PageCopier
 
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+            raise BadArgument(f"num_chunks must be a positive int, got {num_chunks!r}")
         if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
-            raise ValueError(f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}")
+            raise BadArgument(f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}")
         if not tensors:
-            raise ValueError("no KV tensors")
+            raise BadArgument("no KV tensors")
         self.num_chunks = num_chunks
         self.blocks_per_chunk = blocks_per_chunk
         rows = [byte_rows(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         for i, t in enumerate(rows):
             if t.shape[1] % 16:
-                raise ValueError(
+                raise BadArgument(
                     f"tensors[{i}] has {t.shape[1]} bytes a block; kvtier copies pages of a multiple of 16 bytes"
                 )
             if t.device != rows[0].device:
-                raise ValueError(f"tensors[{i}] is on {t.device}, tensors[0] on {rows[0].device}")
+                raise BadArgument(f"tensors[{i}] is on {t.device}, tensors[0] on {rows[0].device}")
         device = rows[0].device
         # Tensors of one shape share a copier: a host page holds their blocks back to back.
         classes: dict[tuple[int, int], list[int]] = {}
@@ -130,7 +130,7 @@ class ChunkCopier:
             used: dict[int, list[int]] = {}
             for i in tensor_ids:
                 if not 0 <= i < len(rows):
-                    raise ValueError(f"group {g} refers to tensor {i}; there are {len(rows)}")
+                    raise BadArgument(f"group {g} refers to tensor {i}; there are {len(rows)}")
                 c, layer = place[i]
                 if layer not in used.setdefault(c, []):
                     used[c].append(layer)
@@ -169,7 +169,7 @@ class ChunkCopier:
         gpu_ids = np.asarray(gpu_ids)
         chunk_ids = np.asarray(chunk_ids)
         if len(group_sizes) != len(self.group_runs) or len(block_indices) != len(self.group_runs):
-            raise ValueError(
+            raise BadArgument(
                 f"the spec has {len(group_sizes)} KV groups ({len(block_indices)} block indices), the KV caches "
                 f"{len(self.group_runs)}"
             )
@@ -183,17 +183,17 @@ class ChunkCopier:
             count = -(-(n + skip) // bpc)
             chunks = chunk_ids[c_off : c_off + count].astype(np.int64)
             if len(chunks) != count:
-                raise ValueError(
+                raise BadArgument(
                     f"group {g} needs {count} chunks from position {c_off}; the host spec has {len(chunk_ids)}"
                 )
             if chunks.min() < 0 or chunks.max() >= self.num_chunks:
-                raise ValueError(f"chunk ids {chunks.tolist()} of group {g} are outside 0..{self.num_chunks - 1}")
+                raise BadArgument(f"chunk ids {chunks.tolist()} of group {g} are outside 0..{self.num_chunks - 1}")
             slots = (chunks[:, None] * bpc + np.arange(bpc)).ravel()[skip : skip + n].astype(np.int32)
             out.append((g, np.ascontiguousarray(gpu_ids[g_off : g_off + n], dtype=np.int32), slots))
             g_off += n
             c_off += count
         if g_off != len(gpu_ids) or c_off != len(chunk_ids):
-            raise ValueError(
+            raise BadArgument(
                 f"the specs do not match: {len(gpu_ids)} GPU blocks and {len(chunk_ids)} chunks, groups of sizes "
                 f"{list(group_sizes)} use {g_off} and {c_off}"
             )
@@ -213,7 +213,7 @@ class ChunkCopier:
         (default: "store" for ``to_host``, else "load")."""
         lane = lane or ("store" if to_host else "load")
         if lane not in LANES:
-            raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+            raise BadArgument(f"lane must be one of {LANES}, got {lane!r}")
         pairs = self.pairs(gpu_ids, group_sizes, block_indices, chunk_ids)
         nbytes = sum(len(gpu) * self.group_bytes[g] for g, gpu, _ in pairs)
         stream = 0
