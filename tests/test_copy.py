@@ -248,6 +248,19 @@ def test_bad_grid_rejected() -> None:
         PageCopier(pool, host, ctas=0)
     with pytest.raises(ValueError, match="method must be one of"):
         PageCopier(pool, host, method="fast")
+    with pytest.raises(ValueError, match="store_ctas must be 1 to 65535, got 0"):
+        PageCopier(pool, host, store_ctas=0)
+    with pytest.raises(ValueError, match="store_method must be one of .*'fast'"):
+        PageCopier(pool, host, store_method="fast")
+
+
+def test_stores_take_the_loads_grid_and_method_unless_set_apart() -> None:
+    pool = make_pool(1, 64, 4, seed=0)[0]
+    host = make_host(2, 64)
+    same = PageCopier(pool, host, ctas=3, method="kernel")
+    assert (same.store_ctas, same.store_method) == (3, "kernel")
+    apart = PageCopier(pool, host, ctas=3, method="kernel", store_ctas=1, store_method="dma")
+    assert (apart.ctas, apart.method, apart.store_ctas, apart.store_method) == (3, "kernel", 1, "dma")
 
 
 def test_cpu_completion_queue_completes_at_once() -> None:

@@ -291,6 +291,31 @@ def test_auto_chooses_by_piece_size_and_never_dma_on_the_legacy_stream() -> None
 
 @pytest.mark.gpu
 @cuda
+def test_stores_and_loads_take_their_own_method_and_bytes_are_exact() -> None:
+    """store_method / store_ctas apart from method / ctas: stores by the copy engine, loads by the kernel (and the
+    other way round), the bytes exact both ways."""
+    pool, host = _pools(1, 64 << 10, 64, 64, seed=3)
+    stream = CopyStream(torch.cuda.current_device())
+    ids = np.arange(0, 32, 2, dtype=np.int32)
+    slots = np.arange(16, dtype=np.int32)
+    hv = host_array(host)
+    for store, load in (("dma", "kernel"), ("kernel", "dma")):
+        copier = PageCopier(pool[0], host, method=load, ctas=8, store_method=store, store_ctas=1)
+        assert (copier.store_method, copier.store_ctas, copier.method, copier.ctas) == (store, 1, load, 8)
+        expect = pool[0][torch.from_numpy(ids).cuda()].cpu().numpy()
+        assert copier.to_host(ids, slots, stream.handle) == (store if copier.dma_available else "kernel")
+        torch.cuda.synchronize()
+        assert np.array_equal(hv[slots], expect)
+        pool[0][torch.from_numpy(ids).cuda()] = 0x3C
+        torch.cuda.synchronize()
+        assert copier.to_gpu(slots, ids, stream.handle) == (load if copier.dma_available else "kernel")
+        torch.cuda.synchronize()
+        assert np.array_equal(pool[0][torch.from_numpy(ids).cuda()].cpu().numpy(), expect)
+    host.close()
+
+
+@pytest.mark.gpu
+@cuda
 def test_store_does_not_hold_the_engine_stream_and_release_orders_reuse() -> None:
     """The engine's stream is free while a store's copy is held back; release() makes it wait (GPU-side)."""
     e = engine("page-first", device="cuda", layer_pattern="F", num_gpu_blocks=64)

@@ -1226,12 +1226,17 @@ def test_the_worker_copies_with_the_kernel_unless_told_otherwise() -> None:
     assert kv.resolve_settings({}, env={"KVTIER_COPY_METHOD": "dma"}).copy_method == "dma"
 
 
-def test_the_worker_kernel_takes_two_ctas_unless_told_otherwise() -> None:
+def test_the_worker_stores_with_two_ctas_and_loads_with_eight_unless_told_otherwise() -> None:
     # Stores run beside the model's GEMMs: on a real engine 2 CTAs cost a no-reuse run 0.6% of its throughput,
-    # 8 cost 4.7% (docs/VLLM.md).
-    assert kv.resolve_settings({}, env={}).copy_ctas == kv.WORKER_COPY_CTAS == 2
-    assert kv.resolve_settings({"copy_ctas": 8, "copy_method": "dma"}, env={}).copy_ctas == 8
+    # 8 cost 4.7%; loads are on the request's critical path and 2 CTAs halved their rate (docs/VLLM.md).
+    settings = kv.resolve_settings({}, env={})
+    assert (settings.store_copy_ctas, settings.copy_ctas) == (kv.WORKER_STORE_COPY_CTAS, 8) == (2, 8)
+    # A copy_ctas the deployment sets bounds both directions; store_copy_ctas stores only.
+    both = kv.resolve_settings({"copy_ctas": 4, "copy_method": "dma"}, env={})
+    assert (both.copy_ctas, both.store_copy_ctas) == (4, None)
     settings = kv.resolve_settings({"copy_method": "dma"}, env={"KVTIER_COPY_CTAS": "4"})
     assert (settings.copy_ctas, settings.copy_method, settings.sources["copy_ctas"]) == (4, "dma", "env")
-    with pytest.raises(ValueError, match="copy_ctas"):
-        kv.resolve_settings({"copy_ctas": 0}, env={})
+    assert kv.resolve_settings({"store_copy_ctas": 1}, env={}).store_copy_ctas == 1
+    for bad in ({"copy_ctas": 0}, {"store_copy_ctas": 0}, {"store_copy_method": "fast"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kv.resolve_settings(bad, env={})

@@ -437,6 +437,8 @@ class PageCopier:
         threads: int | None = None,
         method: str = "auto",
         crossover_bytes: int | None = None,
+        store_ctas: int | None = None,
+        store_method: str | None = None,
     ) -> Self: ...
     def to_host(
         self, gpu_ids: _Int32Ids, host_slots: _Int32Ids, stream: int = 0, layers: tuple[int, int] | None = None
@@ -450,6 +452,10 @@ class PageCopier:
     def threads(self) -> int: ...
     @property
     def method(self) -> str: ...
+    @property
+    def store_ctas(self) -> int: ...
+    @property
+    def store_method(self) -> str: ...
     @property
     def crossover_bytes(self) -> int: ...
     @property

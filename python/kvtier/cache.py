@@ -34,7 +34,7 @@ import torch
 from kvtier import BadArgument, Index, KvEvent
 from kvtier._core import Cache as CoreCache
 from kvtier._core import NeverType
-from kvtier.copy import HostPool, PageCopier
+from kvtier.copy import HostPool, PageCopier, copy_options
 from kvtier.failures import Calls, Failures, guarded
 from kvtier.geometry import Geometry
 from kvtier.hostmem import HostMemory
@@ -200,10 +200,7 @@ class HostPrefixCache:
         )
 
     def _copier(self, pages: torch.Tensor | Sequence[torch.Tensor]) -> PageCopier:
-        s = self.settings
-        return PageCopier(
-            pages, self._host.pages, ctas=s.copy_ctas, method=s.copy_method, crossover_bytes=s.copy_crossover_bytes
-        )
+        return PageCopier(pages, self._host.pages, **copy_options(self.settings))
 
     def _abandon(self) -> None:
         """In a child made by fork(): every call is a no-op and ``close()`` returns at once. The cache's memory,

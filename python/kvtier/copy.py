@@ -47,6 +47,7 @@ __all__ = [
     "CopyStream",
     "HostPool",
     "PageCopier",
+    "copy_options",
     "dma_supported",
     "host_array",
     "layer_views",
@@ -119,12 +120,25 @@ def _ids(ids: Any, what: str) -> Any:
     return ids
 
 
+def copy_options(settings: Any) -> dict[str, Any]:
+    """A :class:`PageCopier`'s keyword arguments from a cache's settings (``copy_*``, ``store_copy_*``)."""
+    return {
+        "ctas": settings.copy_ctas,
+        "method": settings.copy_method,
+        "crossover_bytes": settings.copy_crossover_bytes,
+        "store_ctas": settings.store_copy_ctas,
+        "store_method": settings.store_copy_method,
+    }
+
+
 class PageCopier:
     """Copies pages between a GPU pool (torch tensors) and a :class:`HostPool` whose slot_bytes is the page size.
 
     ``ctas`` bounds the kernel's grid of CUDA thread blocks (default 8, see docs/PERFORMANCE.md) so copies leave
     the SMs to the model; ``threads`` is the CTA size (default 512). ``method`` is "auto" (default), "kernel" or
-    "dma"; the copy engine is never used on the legacy default stream, which it refuses, nor where the driver lacks
+    "dma". ``store_ctas`` and ``store_method`` (default: ``ctas`` and ``method``) are those of stores (GPU -> host)
+    when they differ from loads': stores run beside the model, loads on a request's critical path. The copy engine
+    is never used on the legacy default stream, which it refuses, nor where the driver lacks
     ``cudaMemcpyBatchAsync`` (``dma_available``): the kernel copies instead. The copier holds references to the pool
     tensors and the host pool, so their memory lives as long as it does; the caller keeps it (or them) alive until
     its last copy completes.
@@ -139,6 +153,8 @@ class PageCopier:
         threads: int | None = None,
         method: str = "auto",
         crossover_bytes: int | None = None,
+        store_ctas: int | None = None,
+        store_method: str | None = None,
     ) -> None:
         import torch
 
@@ -167,6 +183,8 @@ class PageCopier:
                 )
         if method not in METHODS:
             raise BadArgument(f"method must be one of {METHODS}, got {method!r}")
+        if store_method is not None and store_method not in METHODS:
+            raise BadArgument(f"store_method must be one of {METHODS}, got {store_method!r}")
         if not isinstance(host, HostPool):
             raise BadArgument(f"host must be a kvtier HostPool, got {type(host).__name__}")
         dev = tensors[0].device
@@ -199,6 +217,8 @@ class PageCopier:
             threads=threads,
             method=method,
             crossover_bytes=crossover_bytes,
+            store_ctas=store_ctas,
+            store_method=store_method,
         )
 
     @property
@@ -230,6 +250,14 @@ class PageCopier:
     @property
     def method(self) -> str:
         return self._core.method
+
+    @property
+    def store_ctas(self) -> int:
+        return self._core.store_ctas
+
+    @property
+    def store_method(self) -> str:
+        return self._core.store_method
 
     @property
     def crossover_bytes(self) -> int:

@@ -358,6 +358,24 @@ REGISTRY: tuple[Setting, ...] = (
         scopes=_WITH_VLLM,
     ),
     S(
+        "store_copy_method",
+        TEXT,
+        None,
+        "the copy method of stores (GPU to host) when it is not copy_method's (`dma` leaves the SMs to the model)",
+        choices=tuple(COPY_METHODS),
+        scopes=_WITH_VLLM,
+    ),
+    S(
+        "store_copy_ctas",
+        INT,
+        None,
+        "the copy kernel's CTA bound for stores (GPU to host) when it is not copy_ctas (stores run beside the model, "
+        "loads on a request's critical path)",
+        minimum=1,
+        maximum=65535,
+        scopes=_WITH_VLLM,
+    ),
+    S(
         "copy_streams",
         BOOL,
         True,

@@ -136,14 +136,28 @@ impl GpuPool {
     }
 }
 
-/// How a copier launches: kernel grid, method and crossover.
+/// How a copier launches: kernel grid, method and crossover. `ctas` and `method` are the loads' (host -> GPU);
+/// stores (GPU -> host) take `store_ctas` and `store_method`, equal to them unless set apart: stores run beside the
+/// model's kernels, where each CTA they hold is an SM the model waits for, and loads are on a request's critical path.
 #[derive(Debug, Clone, Copy)]
 pub struct CopyOptions {
     pub ctas: u32,
     pub threads: u32,
     pub method: Method,
+    pub store_ctas: u32,
+    pub store_method: Method,
     pub crossover_bytes: u64,
     pub debug_sync: bool,
+}
+
+impl CopyOptions {
+    /// The kernel grid bound and method of copies in direction `dir`.
+    pub fn lane(&self, dir: Direction) -> (u32, Method) {
+        match dir {
+            Direction::ToHost => (self.store_ctas, self.store_method),
+            Direction::ToGpu => (self.ctas, self.method),
+        }
+    }
 }
 
 impl Default for CopyOptions {
@@ -152,6 +166,8 @@ impl Default for CopyOptions {
             ctas: DEFAULT_CTAS,
             threads: DEFAULT_THREADS,
             method: Method::Auto,
+            store_ctas: DEFAULT_CTAS,
+            store_method: Method::Auto,
             crossover_bytes: DEFAULT_CROSSOVER_BYTES,
             debug_sync: false,
         }
@@ -249,7 +265,7 @@ impl PageCopier {
     /// Every layer range `base .. base + (num_blocks - 1) * stride + segment_bytes` must stay valid memory of
     /// `pool.device` (host memory when None) for the copier's life and until its last copy completes.
     pub unsafe fn new(pool: GpuPool, host: Arc<HostPool>, opts: CopyOptions) -> Result<Self> {
-        let CopyOptions { ctas, threads, .. } = opts;
+        let CopyOptions { ctas, store_ctas, threads, .. } = opts;
         let n = pool.layers.len();
         if n == 0 || n > cuda::MAX_LAYERS {
             return Err(invalid(format!("a GPU pool has 1 to {} layer tensors, got {n}", cuda::MAX_LAYERS)));
@@ -282,8 +298,10 @@ impl PageCopier {
                 pool.segment_bytes
             )));
         }
-        if !(1..=65535).contains(&ctas) {
-            return Err(invalid(format!("ctas must be 1 to 65535, got {ctas}")));
+        for (name, value) in [("ctas", ctas), ("store_ctas", store_ctas)] {
+            if !(1..=65535).contains(&value) {
+                return Err(invalid(format!("{name} must be 1 to 65535, got {value}")));
+            }
         }
         if threads == 0 || threads > 1024 || threads % 32 != 0 {
             return Err(invalid(format!("threads must be a multiple of 32 from 32 to 1024, got {threads}")));
@@ -376,7 +394,8 @@ impl PageCopier {
         }
         let result = match self.pool.device {
             Some(device) => {
-                if self.choose_dma(gpu_ids, host_slots, stream, &layers) {
+                let (ctas, method) = self.opts.lane(dir);
+                if self.choose_dma(method, gpu_ids, host_slots, stream, &layers) {
                     self.dma_copy(device, dir, gpu_ids, host_slots, stream, layers).map(|()| Used::Dma)
                 } else {
                     let launch = Launch {
@@ -385,7 +404,7 @@ impl PageCopier {
                         host_base: self.host.base_ptr() + layers.start as u64 * self.pool.segment_bytes,
                         slot_bytes: self.host.slot_bytes(),
                         device,
-                        ctas: self.opts.ctas,
+                        ctas,
                         threads: self.opts.threads,
                         to_host: dir == Direction::ToHost,
                         debug_sync: self.opts.debug_sync,
@@ -422,12 +441,19 @@ impl PageCopier {
         runs * layers.len()
     }
 
-    fn choose_dma(&self, gpu_ids: &[i32], host_slots: &[i32], stream: u64, layers: &Range<usize>) -> bool {
+    fn choose_dma(
+        &self,
+        method: Method,
+        gpu_ids: &[i32],
+        host_slots: &[i32],
+        stream: u64,
+        layers: &Range<usize>,
+    ) -> bool {
         // 0 and 1 are the legacy default stream (cudaStreamLegacy), which cudaMemcpyBatchAsync refuses.
         if !self.dma || stream <= 1 {
             return false;
         }
-        match self.opts.method {
+        match method {
             Method::Kernel => false,
             Method::Dma => true,
             Method::Auto => {
@@ -811,6 +837,18 @@ mod tests {
         // SAFETY: `mem` is returned to the test and outlives the copier's use.
         let copier = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
         (mem, copier)
+    }
+
+    #[test]
+    fn stores_and_loads_each_take_their_own_grid_and_method() {
+        let opts = CopyOptions { store_ctas: 2, store_method: Method::Dma, ..CopyOptions::default() };
+        assert_eq!(opts.lane(Direction::ToHost), (2, Method::Dma));
+        assert_eq!(opts.lane(Direction::ToGpu), (DEFAULT_CTAS, Method::Auto));
+        let (_mem, c) = pool_and_copier(1, 32, 4, 4);
+        let bad = CopyOptions { store_ctas: 0, ..CopyOptions::default() };
+        // SAFETY: refused before any memory is reached.
+        let err = unsafe { PageCopier::new(c.pool().clone(), Arc::clone(c.host()), bad) }.err().unwrap();
+        assert!(err.to_string().contains("store_ctas must be 1 to 65535, got 0"), "{err}");
     }
 
     #[test]

@@ -153,7 +153,11 @@ pub struct PyPageCopier {
 #[pymethods]
 impl PyPageCopier {
     #[new]
-    #[pyo3(signature = (layers, host, *, ctas = None, threads = None, method = "auto", crossover_bytes = None))]
+    #[pyo3(signature = (
+        layers, host, *, ctas = None, threads = None, method = "auto", crossover_bytes = None, store_ctas = None,
+        store_method = None
+    ))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one a copy option
     fn new(
         layers: Vec<Bound<'_, PyAny>>,
         host: &Bound<'_, PyHostPool>,
@@ -161,6 +165,8 @@ impl PyPageCopier {
         threads: Option<i64>,
         method: &str,
         crossover_bytes: Option<i64>,
+        store_ctas: Option<i64>,
+        store_method: Option<&str>,
     ) -> PyResult<Self> {
         let (tensors, owners): (Vec<_>, Vec<_>) = layers
             .iter()
@@ -170,10 +176,14 @@ impl PyPageCopier {
             .into_iter()
             .unzip();
         let pool = GpuPool::of_layers(&tensors).map_err(to_py)?;
+        let ctas = ctas.map_or(Ok(copy::DEFAULT_CTAS), |b| non_negative("ctas", b))?;
+        let method = Method::parse(method).map_err(to_py)?;
         let opts = CopyOptions {
-            ctas: ctas.map_or(Ok(copy::DEFAULT_CTAS), |b| non_negative("ctas", b))?,
+            ctas,
             threads: threads.map_or(Ok(copy::DEFAULT_THREADS), |t| non_negative("threads", t))?,
-            method: Method::parse(method).map_err(to_py)?,
+            method,
+            store_ctas: store_ctas.map_or(Ok(ctas), |b| non_negative("store_ctas", b))?,
+            store_method: store_method.map_or(Ok(method), Method::parse).map_err(to_py)?,
             crossover_bytes: crossover_bytes
                 .map_or(Ok(copy::DEFAULT_CROSSOVER_BYTES), |c| non_negative("crossover_bytes", c))?,
             debug_sync: std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1"),
@@ -216,6 +226,16 @@ impl PyPageCopier {
     #[getter]
     fn ctas(&self) -> u32 {
         self.inner.options().ctas
+    }
+
+    #[getter]
+    fn store_ctas(&self) -> u32 {
+        self.inner.options().store_ctas
+    }
+
+    #[getter]
+    fn store_method(&self) -> &'static str {
+        self.inner.options().store_method.name()
     }
 
     #[getter]

@@ -14,7 +14,7 @@ returns what completed. On CPU tensors the copies are memcpy and complete before
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,8 @@ class _Run:
 class ChunkCopier:
     """KV blocks of ``tensors`` <-> host blocks, by vLLM's specs' numbers (see the module's text).
 
-    ``groups[g]`` lists the tensor indices KV group ``g`` uses. ``submit`` checks every id before copying and
+    ``groups[g]`` lists the tensor indices KV group ``g`` uses; ``copy_options`` are the page copiers' keyword
+    arguments (``kvtier.copy.copy_options`` makes them from settings). ``submit`` checks every id before copying and
     raises ``kvtier.BadArgument`` (a ValueError) naming what does not fit; a CUDA failure while copying is a failed
     job (``finished()`` reports it), never an exception into the engine loop.
     """
@@ -73,9 +74,7 @@ class ChunkCopier:
         *,
         num_chunks: int,
         blocks_per_chunk: int = 1,
-        copy_method: str = "auto",
-        copy_crossover_bytes: int | None = None,
-        copy_ctas: int | None = None,
+        copy_options: Mapping[str, Any] | None = None,
         copy_streams: bool = True,
     ) -> None:
         import torch
@@ -115,15 +114,7 @@ class ChunkCopier:
             pool = HostPool(slots, layer_bytes[-1] * len(members), pin=device.type == "cuda")
             pool.grow_to(slots)
             self.host_pools.append(pool)
-            self.copiers.append(
-                PageCopier(
-                    [rows[i] for i in members],
-                    pool,
-                    ctas=copy_ctas,
-                    method=copy_method,
-                    crossover_bytes=copy_crossover_bytes,
-                )
-            )
+            self.copiers.append(PageCopier([rows[i] for i in members], pool, **(copy_options or {})))
         self.group_runs: list[list[_Run]] = []
         self.group_bytes: list[int] = []
         for g, tensor_ids in enumerate(groups):

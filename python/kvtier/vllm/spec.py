@@ -84,6 +84,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 # isort: on
 from kvtier._core import BadArgument, Index, IndexConfig
+from kvtier.copy import copy_options
 from kvtier.settings import VLLM, CacheSettings, check_fits, for_scope, scope_names
 from kvtier.vllm.copy import ChunkCopier
 
@@ -109,11 +110,12 @@ _ABSENT, _READY = 0, 2
 # copy kernel loaded 8 GiB of them in turn 2 at memcpy speed where the copy engine's batches took 1.6-2x as long, and
 # the stores of a no-reuse run cost 2.2% of its throughput against 6.8% (docs/VLLM.md, "Serving a model").
 WORKER_COPY_METHOD = "kernel"
-# The worker's kernel grid bound unless set otherwise: stores run beside the model's GEMMs, and each CTA they hold is
-# an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took a no-reuse
-# run from 0.953 to 0.994 of no offloading's throughput in one run (0.976 and 0.980 in two later ones, 0.967 with 8
-# earlier) and loaded 8 GiB of 4K prefixes in 0.424 s against 0.451 s (docs/VLLM.md, "Serving a model").
-WORKER_COPY_CTAS = 2
+# The worker's kernel grid bound for stores unless set otherwise: stores run beside the model's GEMMs, and each CTA
+# they hold is an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took
+# a no-reuse run from 0.953 to 0.994 of no offloading's throughput in one run (0.976 and 0.980 in two later ones,
+# 0.967 with 8 earlier). Loads keep copy_ctas (8): with 2 CTAs, 7.8 GiB of 32K prefixes loaded at about 22 GB/s
+# against 53 GB/s with 8 (docs/VLLM.md, "Serving a model").
+WORKER_STORE_COPY_CTAS = 2
 # KV events kept between two drains when vLLM publishes events and event_buffer is not set.
 DEFAULT_EVENT_BUFFER = 1 << 16
 
@@ -130,8 +132,12 @@ def resolve_settings(extra_config: Mapping[str, Any], env: Mapping[str, str] | N
             raise BadArgument(f"cpu_bytes_to_use must be a number of bytes, got {cpu_bytes!r}")
         arguments["host_bytes"] = int(cpu_bytes) if isinstance(cpu_bytes, float) else cpu_bytes
     settings = for_scope(VLLM, arguments, env)
-    worker = {"copy_method": WORKER_COPY_METHOD, "copy_ctas": WORKER_COPY_CTAS}
-    defaults = {k: v for k, v in worker.items() if settings.sources[k] == "default"}
+    defaults: dict[str, Any] = {}
+    if settings.sources["copy_method"] == "default":
+        defaults["copy_method"] = WORKER_COPY_METHOD
+    # A copy_ctas the deployment sets bounds stores too, as it does everywhere.
+    if settings.sources["store_copy_ctas"] == settings.sources["copy_ctas"] == "default":
+        defaults["store_copy_ctas"] = WORKER_STORE_COPY_CTAS
     return for_scope(VLLM, {**arguments, **defaults}, env) if defaults else settings
 
 
@@ -353,9 +359,7 @@ class KvtierWorker(OffloadingWorker):
         *,
         num_chunks: int,
         blocks_per_chunk: int = 1,
-        copy_method: str = "auto",
-        copy_crossover_bytes: int | None = None,
-        copy_ctas: int | None = None,
+        copy_options: Mapping[str, Any] | None = None,
         copy_streams: bool = True,
     ) -> None:
         if not isinstance(kv_caches, CanonicalKVCaches):
@@ -367,9 +371,7 @@ class KvtierWorker(OffloadingWorker):
             self._group_tensors,
             num_chunks=num_chunks,
             blocks_per_chunk=blocks_per_chunk,
-            copy_method=copy_method,
-            copy_crossover_bytes=copy_crossover_bytes,
-            copy_ctas=copy_ctas,
+            copy_options=copy_options,
             copy_streams=copy_streams,
         )
 
@@ -537,9 +539,7 @@ class KvtierSpec(OffloadingSpec):
                 kv_caches,
                 num_chunks=self.num_chunks,
                 blocks_per_chunk=self.blocks_per_chunk,
-                copy_method=s.copy_method,
-                copy_crossover_bytes=s.copy_crossover_bytes,
-                copy_ctas=s.copy_ctas,
+                copy_options=copy_options(s),
                 copy_streams=s.copy_streams,
             )
         return self._worker

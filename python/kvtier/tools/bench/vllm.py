@@ -108,7 +108,7 @@ def _copies_row(name: str, tensors: list[Any], copy_method: str = "auto") -> dic
     from kvtier.vllm.copy import ChunkCopier, byte_rows
 
     blocks = int(tensors[0].shape[0])
-    copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks, copy_method=copy_method)
+    copier = ChunkCopier(tensors, [list(range(len(tensors)))], num_chunks=blocks, copy_options={"method": copy_method})
     ids = list(range(blocks))
     total = blocks * sum(byte_rows(t, "t").shape[1] for t in tensors)
 
