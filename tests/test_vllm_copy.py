@@ -134,6 +134,32 @@ def test_cuda_copies_start_after_the_callers_stream_writes() -> None:
     copier.close()
 
 
+@pytest.mark.gpu
+def test_a_load_completes_while_a_store_waits_for_the_engines_stream() -> None:
+    # Each lane completes on its own: a load is reported as soon as its copies are done, whatever runs on the store
+    # lane (a store held back behind the engine's work here).
+    tensors = blocks_first_layers(2, 64, "cuda")
+    copier = ChunkCopier(tensors, [[0, 1]], num_chunks=8)
+    copier.submit(1, True, [2], [1], [0], [1])
+    copier.wait([1])
+    assert [job for job, ok, _ in copier.finished() if ok] == [1]
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(400_000_000)  # the engine's work the store waits for (a fraction of a second)
+        copier.submit(2, True, [3], [1], [0], [2])
+    copier.submit(3, False, [5], [1], [0], [1])  # on the idle current stream
+    done: list[int] = []
+    while 3 not in done:
+        done += [job for job, ok, _ in copier.finished() if ok]
+    assert 2 not in done, "the load was reported only after the store"
+    copier.wait([2])
+    done += [job for job, ok, _ in copier.finished() if ok]
+    assert sorted(done) == [2, 3]
+    torch.cuda.synchronize()
+    assert all(torch.equal(t[5], t[2]) for t in tensors)
+    copier.close()
+
+
 @pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed")
 def test_without_vllm_only_the_copy_half_of_the_package_imports() -> None:
     import kvtier.vllm

@@ -11,6 +11,7 @@ __version__: Final[str]
 # Version of the block-key derivation: every key changes with it (part of the L3 fingerprint).
 KEY_SCHEME: Final[int]
 __all__ = [
+    "COPY_LANES",
     "COPY_METHODS",
     "EVICTION_POLICIES",
     "HASH_KINDS",
@@ -27,6 +28,7 @@ __all__ = [
     "HostPool",
     "Index",
     "IndexConfig",
+    "JobCopier",
     "FetchReport",
     "KeyAnswers",
     "KvEvent",
@@ -480,6 +482,28 @@ class CompletionQueue:
     def wait_all(self) -> list[int]: ...
 
 def dma_supported() -> bool: ...
+
+COPY_LANES: Final[list[str]]
+
+@final
+class JobCopier:
+    def __new__(cls, copiers: Sequence[PageCopier], copy_streams: bool = True) -> Self: ...
+    def submit(
+        self,
+        job: int,
+        to_host: bool,
+        lane: str,
+        pieces: Sequence[tuple[int, _Int32Ids, _Int32Ids, tuple[int, int] | None]],
+        engine_stream: int = 0,
+    ) -> str | None: ...
+    def finished(self) -> list[tuple[int, bool, int]]: ...
+    def wait(self, jobs: Sequence[int]) -> None: ...
+    def wait_all(self) -> None: ...
+    def lane_stream(self, lane: str) -> int | None: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def copy_streams(self) -> bool: ...
 
 @final
 class CopyStream:

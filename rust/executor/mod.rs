@@ -10,6 +10,7 @@
 pub mod copy;
 pub mod cuda;
 pub mod hostmem;
+pub mod jobs;
 pub mod order;
 
 use crate::error::{invalid, Error, Result};

@@ -1,6 +1,6 @@
 //! Python classes of the copy path: `HostPool`, `PageCopier` (over layer tensors read through DLPack;
-//! python/kvtier/copy.py wraps it for an engine's pool), `CompletionQueue`, and the copy streams' `CopyStream` and
-//! `CopyEvent`.
+//! python/kvtier/copy.py wraps it for an engine's pool), `CompletionQueue`, the copy streams' `CopyStream` and
+//! `CopyEvent`, and `JobCopier` (copy jobs on three lanes, for an engine that names its own transfers).
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
@@ -11,6 +11,7 @@ use crate::{bad_argument, int32s, non_negative, to_py};
 use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
 use kvtier::executor::cuda::{self, Event, Stream};
 use kvtier::executor::hostmem::{self, HostPool};
+use kvtier::executor::jobs::{Jobs, Lane, Piece, LANES};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
@@ -18,6 +19,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCompletionQueue>()?;
     m.add_class::<PyCopyStream>()?;
     m.add_class::<PyCopyEvent>()?;
+    m.add_class::<PyJobCopier>()?;
+    m.add("COPY_LANES", LANES.to_vec())?;
     m.add_function(wrap_pyfunction!(dma_supported, m)?)?;
     m.add("COPY_METHODS", Method::NAMES.to_vec())?;
     m.add("PIN_METHODS", hostmem::PinMethod::NAMES.to_vec())?;
@@ -423,5 +426,104 @@ impl PyCopyEvent {
     /// Block (GIL released) until the recorded work has completed.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.wait()).map_err(to_py)
+    }
+}
+
+/// A job's pieces as Python passes them: (copier, gpu_ids, host_slots, layers or None).
+type PyPiece<'py> = (usize, Bound<'py, PyAny>, Bound<'py, PyAny>, Option<(i64, i64)>);
+
+/// Copy jobs over page copiers (one device) on three lanes: stores, loads, expedited loads
+/// (rust/executor/jobs.rs). Each `submit` checks every piece before copying; a CUDA failure fails the job, which
+/// `finished` reports, and `submit` returns its message.
+#[pyclass(name = "JobCopier", module = "kvtier._core", frozen)]
+pub struct PyJobCopier {
+    inner: Mutex<Jobs>,
+    /// The copiers: they hold the memory the jobs reach.
+    _copiers: Vec<Py<PyPageCopier>>,
+}
+
+impl PyJobCopier {
+    fn lock(&self) -> MutexGuard<'_, Jobs> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl PyJobCopier {
+    #[new]
+    #[pyo3(signature = (copiers, copy_streams = true))]
+    fn new(copiers: Vec<Bound<'_, PyPageCopier>>, copy_streams: bool) -> PyResult<Self> {
+        let core = copiers.iter().map(|c| c.get().copier()).collect();
+        let inner = Jobs::new(core, copy_streams).map_err(to_py)?;
+        Ok(Self { inner: Mutex::new(inner), _copiers: copiers.into_iter().map(Bound::unbind).collect() })
+    }
+
+    /// Copies the pieces GPU -> host (`to_host`) or back on `lane` ("store", "load", "expedited"), after the work
+    /// on `engine_stream` (a raw cudaStream_t) so far. Returns None, or the CUDA error that failed the job.
+    #[pyo3(signature = (job, to_host, lane, pieces, engine_stream = 0))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        to_host: bool,
+        lane: &str,
+        pieces: Vec<PyPiece<'_>>,
+        engine_stream: u64,
+    ) -> PyResult<Option<String>> {
+        let lane = Lane::parse(lane).map_err(to_py)?;
+        let mut ids = Vec::with_capacity(pieces.len());
+        for (i, (copier, gpu_ids, host_slots, layers)) in pieces.iter().enumerate() {
+            let layers = match layers {
+                None => None,
+                Some((a, b)) => Some(
+                    non_negative::<usize>(&format!("pieces[{i}] layers start"), *a)?
+                        ..non_negative::<usize>(&format!("pieces[{i}] layers end"), *b)?,
+                ),
+            };
+            let g = int32s(gpu_ids, &format!("pieces[{i}] gpu_ids"))?;
+            let h = int32s(host_slots, &format!("pieces[{i}] host_slots"))?;
+            ids.push((*copier, g, h, layers));
+        }
+        let pieces: Vec<Piece<'_>> = ids
+            .iter()
+            .map(|(copier, g, h, layers)| Piece {
+                copier: *copier,
+                gpu_ids: g.as_slice(),
+                host_slots: h.as_slice(),
+                layers: layers.clone(),
+            })
+            .collect();
+        let failed = py.detach(|| self.lock().submit(job, to_host, lane, &pieces, engine_stream)).map_err(to_py)?;
+        Ok(failed.map(|e| e.to_string()))
+    }
+
+    /// (job, success, bytes) of the jobs completed since the last call, each lane's in submission order.
+    fn finished(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64)>> {
+        py.detach(|| self.lock().finished()).map_err(to_py)
+    }
+
+    /// Returns once the given jobs (those in flight) completed; their results stay for `finished`.
+    fn wait(&self, py: Python<'_>, jobs: Vec<u64>) -> PyResult<()> {
+        py.detach(|| self.lock().wait(&jobs)).map_err(to_py)
+    }
+
+    /// Waits for every job in flight.
+    fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().wait_all()).map_err(to_py)
+    }
+
+    /// The raw copy stream of `lane`, or None when jobs run on the engine's stream.
+    fn lane_stream(&self, lane: &str) -> PyResult<Option<u64>> {
+        Ok(self.lock().lane_stream(Lane::parse(lane).map_err(to_py)?))
+    }
+
+    #[getter]
+    fn pending(&self) -> usize {
+        self.lock().pending()
+    }
+
+    #[getter]
+    fn copy_streams(&self) -> bool {
+        self.lock().copy_streams()
     }
 }

@@ -6,9 +6,10 @@ always a vLLM chunk: ``blocks_per_chunk`` KV blocks). The host pool holds ``num_
 blocks: host block ``c * blocks_per_chunk + j`` is block ``j`` of vLLM chunk ``c``, the
 bytes of every KV tensor of that block back to back (tensors of one shape share a page copier and a pool).
 
-On CUDA tensors a transfer is enqueued on one of kvtier's copy streams (stores, loads, expedited loads), after an
-event recorded on the caller's current stream, and its completion recorded in a completion queue; ``finished()``
-returns what completed. On CPU tensors the copies are memcpy and complete before ``submit`` returns.
+A transfer is one copy job of the core (``kvtier._core.JobCopier``): on CUDA tensors it runs on one of kvtier's copy
+streams (stores, loads, expedited loads), after the work on the caller's current stream so far, and ``finished()``
+returns what completed, each lane's jobs in order. On CPU tensors the copies are memcpy and complete before
+``submit`` returns.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._core import BadArgument, CopyError
+from kvtier._core import COPY_LANES, BadArgument
 
 log = logging.getLogger("kvtier.vllm")
 
-LANES = ("store", "load", "expedited")
+LANES = tuple(COPY_LANES)
 
 
 def byte_rows(t: Any, name: str) -> Any:
@@ -60,13 +61,13 @@ class ChunkCopier:
     """KV blocks of ``tensors`` <-> host blocks, by vLLM's specs' numbers (see the module's text).
 
     ``groups[g]`` lists the tensor indices KV group ``g`` uses; ``copy_options`` are the page copiers' keyword
-    arguments (``kvtier.copy.copy_options`` makes them from settings). ``submit`` checks every id before copying and
-    raises ``kvtier.BadArgument`` (a ValueError) naming what does not fit; a CUDA failure while copying is a failed
-    job (``finished()`` reports it), never an exception into the engine loop.
+    arguments (``kvtier.copy.copy_options`` makes them from settings); the host pools are pinned in pin steps of
+    ``pin_step_bytes`` the way ``pin_method`` says. The copies run as the core's copy jobs
+    (``kvtier._core.JobCopier``): one call a transfer. ``submit`` checks every id before copying and raises
+    ``kvtier.BadArgument`` (a ValueError) naming what does not fit; a CUDA failure while copying is a failed job
+    (``finished()`` reports it), never an exception into the engine loop.
     """
 
-    # Whole: this copier redoes the core executor's setup (host pools, streams, events) and goes once the vLLM
-    # worker runs on that executor.
     def __init__(
         self,
         tensors: Sequence[Any],
@@ -76,10 +77,10 @@ class ChunkCopier:
         blocks_per_chunk: int = 1,
         copy_options: Mapping[str, Any] | None = None,
         copy_streams: bool = True,
+        pin_method: str = "auto",
+        pin_step_bytes: int | None = None,
     ) -> None:
-        import torch
-
-        from kvtier.copy import CompletionQueue, CopyEvent, CopyStream, HostPool, PageCopier
+        from kvtier._core import JobCopier
 
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise BadArgument(f"num_chunks must be a positive int, got {num_chunks!r}")
@@ -97,60 +98,71 @@ class ChunkCopier:
                 )
             if t.device != rows[0].device:
                 raise BadArgument(f"tensors[{i}] is on {t.device}, tensors[0] on {rows[0].device}")
-        device = rows[0].device
-        # Tensors of one shape share a copier: a host page holds their blocks back to back.
+        self.device = rows[0].device
+        place = self._make_copiers(rows, copy_options or {}, pin_method, pin_step_bytes)
+        self.group_runs: list[list[_Run]] = []
+        self.group_bytes: list[int] = []
+        for g, tensor_ids in enumerate(groups):
+            runs, nbytes = self._group_runs(g, tensor_ids, place, rows)
+            self.group_runs.append(runs)
+            self.group_bytes.append(nbytes)
+        self._cuda = self.device.type == "cuda"
+        self._jobs = JobCopier([c.core for c in self.copiers], copy_streams)
+
+    def _make_copiers(
+        self, rows: list[Any], copy_options: Mapping[str, Any], pin_method: str, pin_step_bytes: int | None
+    ) -> dict[int, tuple[int, int]]:
+        """A host pool and page copier for each shape of tensor (a host page holds the blocks of all tensors of
+        that shape back to back); returns where each tensor is: (copier, layer)."""
+        from kvtier.copy import HostPool, PageCopier
+
         classes: dict[tuple[int, int], list[int]] = {}
         for i, t in enumerate(rows):
             classes.setdefault((int(t.shape[0]), int(t.shape[1])), []).append(i)
         place: dict[int, tuple[int, int]] = {}
         self.host_pools: list[Any] = []
         self.copiers: list[Any] = []
-        layer_bytes: list[int] = []
-        slots = num_chunks * blocks_per_chunk
+        slots = self.num_chunks * self.blocks_per_chunk
         for c, members in enumerate(classes.values()):
             for layer, i in enumerate(members):
                 place[i] = (c, layer)
-            layer_bytes.append(int(rows[members[0]].shape[1]))
-            pool = HostPool(slots, layer_bytes[-1] * len(members), pin=device.type == "cuda")
+            page = int(rows[members[0]].shape[1]) * len(members)
+            pool = HostPool(
+                slots, page, step_bytes=pin_step_bytes, pin=self.device.type == "cuda", pin_method=pin_method
+            )
+            # vLLM hands out every chunk id from the start: the whole pool is pinned here, at the worker's start.
             pool.grow_to(slots)
             self.host_pools.append(pool)
-            self.copiers.append(PageCopier([rows[i] for i in members], pool, **(copy_options or {})))
-        self.group_runs: list[list[_Run]] = []
-        self.group_bytes: list[int] = []
-        for g, tensor_ids in enumerate(groups):
-            used: dict[int, list[int]] = {}
-            for i in tensor_ids:
-                if not 0 <= i < len(rows):
-                    raise BadArgument(f"group {g} refers to tensor {i}; there are {len(rows)}")
-                c, layer = place[i]
-                if layer not in used.setdefault(c, []):
-                    used[c].append(layer)
-            runs: list[_Run] = []
-            for c, layers in used.items():
-                layers.sort()
-                if len(layers) == self.copiers[c].num_layers:
-                    runs.append(_Run(c, None))
-                    continue
-                start = prev = layers[0]
-                for layer in [*layers[1:], -1]:
-                    if layer != prev + 1:
-                        runs.append(_Run(c, (start, prev + 1)))
-                        start = layer
-                    prev = layer
-            self.group_runs.append(runs)
-            self.group_bytes.append(sum(len(layers) * layer_bytes[c] for c, layers in used.items()))
-        self.device = device
-        self._done: list[tuple[int, bool, int]] = []
-        self._sizes: dict[int, int] = {}
-        self._cuda = device.type == "cuda"
-        self._copy_streams = bool(copy_streams)
-        if self._cuda:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self._device_index = index
-            if self._copy_streams:
-                self._streams = {lane: CopyStream(index) for lane in LANES}
-                self._order = CopyEvent(index)
-            self._queue = CompletionQueue(index)
+            self.copiers.append(PageCopier([rows[i] for i in members], pool, **copy_options))
+        return place
+
+    def _group_runs(
+        self, g: int, tensor_ids: Sequence[int], place: Mapping[int, tuple[int, int]], rows: list[Any]
+    ) -> tuple[list[_Run], int]:
+        """The copier runs KV group ``g`` copies (runs of consecutive layers of a copier, or all of them), and its
+        bytes a block."""
+        used: dict[int, list[int]] = {}
+        for i in tensor_ids:
+            if not 0 <= i < len(rows):
+                raise BadArgument(f"group {g} refers to tensor {i}; there are {len(rows)}")
+            c, layer = place[i]
+            if layer not in used.setdefault(c, []):
+                used[c].append(layer)
+        runs: list[_Run] = []
+        nbytes = 0
+        for c, layers in used.items():
+            layers.sort()
+            nbytes += len(layers) * self.copiers[c].page_bytes // self.copiers[c].num_layers
+            if len(layers) == self.copiers[c].num_layers:
+                runs.append(_Run(c, None))
+                continue
+            start = prev = layers[0]
+            for layer in [*layers[1:], -1]:
+                if layer != prev + 1:
+                    runs.append(_Run(c, (start, prev + 1)))
+                    start = layer
+                prev = layer
+        return runs, nbytes
 
     def pairs(
         self, gpu_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int], chunk_ids: Any
@@ -205,54 +217,27 @@ class ChunkCopier:
         lane = lane or ("store" if to_host else "load")
         if lane not in LANES:
             raise BadArgument(f"lane must be one of {LANES}, got {lane!r}")
-        pairs = self.pairs(gpu_ids, group_sizes, block_indices, chunk_ids)
-        nbytes = sum(len(gpu) * self.group_bytes[g] for g, gpu, _ in pairs)
+        pieces = [
+            (run.copier, gpu, slots, run.layers)
+            for g, gpu, slots in self.pairs(gpu_ids, group_sizes, block_indices, chunk_ids)
+            for run in self.group_runs[g]
+        ]
         stream = 0
         if self._cuda:
             import torch
 
-            current = int(torch.cuda.current_stream(self._device_index).cuda_stream)
-            if self._copy_streams:
-                # Stores read what the model wrote, loads overwrite blocks the engine may still be zeroing: both
-                # start after the work on the caller's stream so far.
-                stream = self._streams[lane].handle
-                self._order.record(current)
-                self._order.wait_in(stream)
-            else:
-                stream = current
-        try:
-            for g, gpu, slots in pairs:
-                for run in self.group_runs[g]:
-                    copier = self.copiers[run.copier]
-                    if to_host:
-                        copier.to_host(gpu, slots, stream, run.layers)
-                    else:
-                        copier.to_gpu(slots, gpu, stream, run.layers)
-        except CopyError as e:
-            log.error("kvtier: %s of job %d failed: %s", "store" if to_host else "load", job_id, e)
-            self._done.append((job_id, False, 0))
-            return
-        if self._cuda:
-            self._sizes[job_id] = nbytes
-            self._queue.record(job_id, stream)
-        else:
-            self._done.append((job_id, True, nbytes))
-
-    def _collect(self, job_ids: Iterable[int]) -> None:
-        for job_id in job_ids:
-            self._done.append((job_id, True, self._sizes.pop(job_id, 0)))
+            stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        failure = self._jobs.submit(job_id, to_host, lane, pieces, stream)
+        if failure is not None:
+            log.error("kvtier: %s of job %d failed: %s", "store" if to_host else "load", job_id, failure)
 
     def finished(self) -> list[tuple[int, bool, int]]:
         """(job id, success, bytes) of the jobs completed since the last call."""
-        if self._cuda:
-            self._collect(self._queue.poll())
-        done, self._done = self._done, []
-        return done
+        return self._jobs.finished()
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Returns once the given jobs completed (their results stay for ``finished()``)."""
-        if self._cuda and any(j in self._sizes for j in job_ids):
-            self._collect(self._queue.wait_all())
+        self._jobs.wait(list(job_ids))
 
     def host_view(self, copier: int = 0) -> np.ndarray:
         """One copier's host pool as ``[host blocks, block bytes]`` uint8 (no copy)."""
@@ -261,8 +246,7 @@ class ChunkCopier:
         return host_array(self.host_pools[copier])
 
     def close(self) -> None:
-        if self._cuda and self._sizes:
-            self._collect(self._queue.wait_all())
+        self._jobs.wait_all()
         self.copiers.clear()
         for pool in self.host_pools:
             pool.close()

@@ -351,7 +351,8 @@ class KvtierManager(OffloadingManager):
 class KvtierWorker(OffloadingWorker):
     """vLLM's offloading worker on kvtier's page copier: vLLM's KV caches (CUDA, or CPU tensors) <-> this rank's
     pinned host pool, the manager's vLLM chunk ``c`` in host blocks ``c * blocks_per_chunk ..``
-    (``kvtier.vllm.copy``)."""
+    (``kvtier.vllm.copy``); ``settings``: the copy and pin settings (default: the worker's defaults and
+    ``KVTIER_*``)."""
 
     def __init__(
         self,
@@ -359,11 +360,11 @@ class KvtierWorker(OffloadingWorker):
         *,
         num_chunks: int,
         blocks_per_chunk: int = 1,
-        copy_options: Mapping[str, Any] | None = None,
-        copy_streams: bool = True,
+        settings: CacheSettings | None = None,
     ) -> None:
         if not isinstance(kv_caches, CanonicalKVCaches):
             raise BadArgument(f"kv_caches must be vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}")
+        s = settings if settings is not None else resolve_settings({})
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         self.copier = ChunkCopier(
@@ -371,8 +372,10 @@ class KvtierWorker(OffloadingWorker):
             self._group_tensors,
             num_chunks=num_chunks,
             blocks_per_chunk=blocks_per_chunk,
-            copy_options=copy_options,
-            copy_streams=copy_streams,
+            copy_options=copy_options(s),
+            copy_streams=s.copy_streams,
+            pin_method=s.pin_method,
+            pin_step_bytes=s.pin_step_bytes,
         )
 
     def device_blocks(self, device_ptrs: Any) -> np.ndarray:
@@ -539,8 +542,7 @@ class KvtierSpec(OffloadingSpec):
                 kv_caches,
                 num_chunks=self.num_chunks,
                 blocks_per_chunk=self.blocks_per_chunk,
-                copy_options=copy_options(s),
-                copy_streams=s.copy_streams,
+                settings=s,
             )
         return self._worker
 
