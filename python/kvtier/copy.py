@@ -131,6 +131,35 @@ def copy_options(settings: Any) -> dict[str, Any]:
     }
 
 
+def layer_tensors(gpu_pool: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A GPU pool's layer tensors, each checked: uint8 ``[num_blocks, bytes per block]`` with contiguous rows, all of
+    one shape on one CPU or CUDA device (``kvtier.BadArgument`` naming the first that is not)."""
+    import torch
+
+    tensors = [gpu_pool] if isinstance(gpu_pool, torch.Tensor) else list(gpu_pool)
+    if not tensors:
+        raise BadArgument("gpu_pool is an empty list of layer tensors")
+    for i, t in enumerate(tensors):
+        name = "gpu_pool" if len(tensors) == 1 and isinstance(gpu_pool, torch.Tensor) else f"gpu_pool[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise BadArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.uint8:
+            raise BadArgument(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
+        if t.dim() != 2:
+            raise BadArgument(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise BadArgument(f"{name} must have contiguous rows (stride 1 within a block), got strides {t.stride()}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise BadArgument(f"{name} must be on the CPU or a CUDA device, got {t.device}")
+        if t.shape != tensors[0].shape:
+            raise BadArgument(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
+        if t.device != tensors[0].device:
+            raise BadArgument(
+                f"all layer tensors must be on one device: {name} is on {t.device}, layer 0 on {tensors[0].device}"
+            )
+    return tensors
+
+
 class PageCopier:
     """Copies pages between a GPU pool (torch tensors) and a :class:`HostPool` whose slot_bytes is the page size.
 
@@ -158,29 +187,7 @@ class PageCopier:
     ) -> None:
         import torch
 
-        tensors = [gpu_pool] if isinstance(gpu_pool, torch.Tensor) else list(gpu_pool)
-        if not tensors:
-            raise BadArgument("gpu_pool is an empty list of layer tensors")
-        for i, t in enumerate(tensors):
-            name = "gpu_pool" if len(tensors) == 1 and isinstance(gpu_pool, torch.Tensor) else f"gpu_pool[{i}]"
-            if not isinstance(t, torch.Tensor):
-                raise BadArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.uint8:
-                raise BadArgument(f"{name} must have dtype torch.uint8 (view other dtypes as bytes), got {t.dtype}")
-            if t.dim() != 2:
-                raise BadArgument(f"{name} must be 2-D [num_blocks, bytes per block], got shape {tuple(t.shape)}")
-            if t.stride(1) != 1 and t.shape[1] > 1:
-                raise BadArgument(
-                    f"{name} must have contiguous rows (stride 1 within a block), got strides {t.stride()}"
-                )
-            if t.device.type not in ("cpu", "cuda"):
-                raise BadArgument(f"{name} must be on the CPU or a CUDA device, got {t.device}")
-            if t.shape != tensors[0].shape:
-                raise BadArgument(f"{name} has shape {tuple(t.shape)}, layer 0 has {tuple(tensors[0].shape)}")
-            if t.device != tensors[0].device:
-                raise BadArgument(
-                    f"all layer tensors must be on one device: {name} is on {t.device}, layer 0 on {tensors[0].device}"
-                )
+        tensors = layer_tensors(gpu_pool)
         if method not in METHODS:
             raise BadArgument(f"method must be one of {METHODS}, got {method!r}")
         if store_method is not None and store_method not in METHODS:
