@@ -306,9 +306,13 @@ def test_every_setting_is_the_caches_and_the_adapters_take_theirs() -> None:
         "host_bytes",
         "eviction_policy",
         "event_buffer",
+        "pin_step_bytes",
+        "pin_method",
         "copy_method",
         "copy_crossover_bytes",
         "copy_ctas",
+        "store_copy_method",
+        "store_copy_ctas",
         "copy_streams",
     )
     l3 = {"hash_key", "model_version", "l3_master", "l3_metadata_server", "l3_protocol", "l3_local_hostname"}
@@ -334,8 +338,8 @@ def test_an_l3_adapter_says_once_what_it_requires(scope: str) -> None:
 
 
 def test_an_adapter_reads_only_its_own_variables() -> None:
-    env = {"KVTIER_HOST_BYTES": "64KiB", "KVTIER_L3": "mooncake", "KVTIER_PIN_STEP_BYTES": "lots"}
+    env = {"KVTIER_HOST_BYTES": "64KiB", "KVTIER_L3": "mooncake", "KVTIER_STAGING_SLOTS": "lots"}
     s = for_scope(VLLM, {}, env=env)
-    assert (s.host_bytes, s.l3, s.sources["pin_step_bytes"]) == (64 << 10, None, "default")
+    assert (s.host_bytes, s.l3, s.sources["staging_slots"]) == (64 << 10, None, "default")
     with pytest.raises(BadArgument, match="bad setting host_bytes \\(from KVTIER_HOST_BYTES="):
         for_scope(VLLM, {}, env={"KVTIER_HOST_BYTES": HUGE})

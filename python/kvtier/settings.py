@@ -260,8 +260,9 @@ REGISTRY: tuple[Setting, ...] = (
         "pin_step_bytes",
         BYTES,
         256 << 20,
-        "host pools are pinned in pin steps of this size off the engine loop",
+        "host pools are pinned in pin steps of this size off the engine loop (the vLLM worker's at its start)",
         minimum=1,
+        scopes=_WITH_VLLM,
     ),
     S(
         "pin_method",
@@ -271,6 +272,7 @@ REGISTRY: tuple[Setting, ...] = (
         "registered with CUDA a step at a time (copies cut at steps; each registration holds up the engine's "
         "launches); `auto`: `driver` where the driver can",
         choices=tuple(PIN_METHODS),
+        scopes=_WITH_VLLM,
     ),
     S("preallocate", BOOL, False, "pin the whole host pool at construction instead of lazily"),
     S("max_errors", INT, 3, "kvtier's own failures after which the cache disables itself", minimum=1),
