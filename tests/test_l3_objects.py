@@ -142,7 +142,7 @@ def test_a_store_call_that_times_out_or_raises_removes_nothing_and_waits_for_the
 def test_values_of_any_wrong_length_are_rejected_removed_and_put_again(path: ObjectPath) -> None:
     store, fmt, src = DictStore(), ObjectFormat("fp"), pages(6)
     path.put(store, fmt, HASHES, pieces(src), memory=[src])
-    keys = fmt.store_keys(fmt.keys(HASHES))
+    keys = fmt.object_names(fmt.keys(HASHES))
     store.values[keys[0]] += b"\0"  # one byte longer: Mooncake answers -600
     store.values[keys[1]] = store.values[keys[1]][:-1]  # one byte shorter
     store.values[keys[2]] = store.values[keys[2]][:L3_HEADER_BYTES]  # a header alone
@@ -160,9 +160,9 @@ def test_an_object_sealed_by_another_format_is_never_loaded() -> None:
     store, path = DictStore(), ObjectPath(staging_bytes=PATHS["staged"])
     src = pages(1)
     path.put(store, ObjectFormat("a"), HASHES[:1], pieces(src), memory=[src])
-    a_key = ObjectFormat("a").store_keys(ObjectFormat("a").keys(HASHES[:1]))[0]
+    a_key = ObjectFormat("a").object_names(ObjectFormat("a").keys(HASHES[:1]))[0]
     b = ObjectFormat("b")
-    store.values[b.store_keys(b.keys(HASHES[:1]))[0]] = store.values[a_key]  # moved under another model's key
+    store.values[b.object_names(b.keys(HASHES[:1]))[0]] = store.values[a_key]  # moved under another model's key
     dst = pages(1, fill=0)
     (out,) = path.get(store, b, HASHES[:1], pieces(dst), memory=[dst])
     assert (out.kind, out.ok, out.removed) == ("rejected", False, True) and "fingerprint" in (out.reason or "")

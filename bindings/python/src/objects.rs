@@ -38,7 +38,7 @@ impl PyObjectFormat {
     }
 
     /// The Store key of each chain key: `kvtier/v<format>/<fingerprint>/g1/<hex>`, an object of one page.
-    fn store_keys(&self, keys: Vec<u128>) -> Vec<String> {
+    fn object_names(&self, keys: Vec<u128>) -> Vec<String> {
         keys.into_iter().map(|k| self.inner.store_key(k)).collect()
     }
 }

@@ -44,10 +44,7 @@ they are used again.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -61,11 +58,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier._core import L3_HEADER_BYTES, BadArgument, ObjectFormat, ObjectPath, Outcome, fingerprint
-from kvtier.identity import Shard, layout_fields
+from kvtier._core import BadArgument, ObjectFormat, Outcome
 from kvtier.l3.errors import L3Error
 from kvtier.l3.store import MooncakeStore, Store, StoreConfig
 from kvtier.settings import SGLANG, CacheSettings, for_scope, scope_names
+from kvtier.sglang.pools import HostPools, Pieces, check_keys, pool_buffers, pool_name_of
 
 log = logging.getLogger("kvtier.sglang")
 
@@ -86,101 +83,11 @@ SGLANG_KEYS = frozenset(
 # cache's and have no meaning here).
 SETTINGS_READ = scope_names(SGLANG)
 
-Pieces = list[list[tuple[int, int]]]
-
 
 def settings_of(extra_config: Mapping[str, Any] | None) -> CacheSettings:
     """The kvtier settings of a HiCache extra config (SGLang's own keys left out; ``KVTIER_*`` variables for what
     it leaves out). kvtier's settings refuse a key that is neither, and a missing ``model_version``."""
     return for_scope(SGLANG, {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}, l3="mooncake")
-
-
-def storage_identity(
-    config: HiCacheStorageConfig, pool: Any, model_version: str, pool_name: str = PoolName.KV.value
-) -> dict[str, str]:
-    """The fingerprint fields of the pages a SGLang rank stores from one host pool: model, shard, and the page's
-    bytes as the pool lays them out (``pool.get_page_buffer_meta`` of one page). ``pool_name`` is SGLang's name of
-    the pool (``PoolName``): the KV pool's fields are those of the ``_v1`` calls; another pool's add its name and the
-    bytes of each page piece."""
-    if config.should_split_heads:
-        raise BadArgument("kvtier's SGLang backend does not split heads across TP sizes (tp_lcm_size); unset it")
-    if config.dcp_size > 1:
-        raise BadArgument(
-            f"kvtier's SGLang backend does not support decode context parallelism, dcp_size={config.dcp_size}"
-        )
-    _, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size))
-    kv = pool_name == PoolName.KV.value
-    # MLA KV is the same on every TP rank (one writer rank stores it); Mamba states and MHA-shaped pools (K and V
-    # buffers of their own heads) are each rank's own even in an MLA model.
-    replicated = bool(config.is_mla_model) and (
-        kv or (pool_name != PoolName.MAMBA.value and not hasattr(pool, "v_buffer"))
-    )
-    shard = Shard(
-        tp_rank=config.tp_rank,
-        tp_size=config.tp_size,
-        pp_rank=config.pp_rank,
-        pp_size=config.pp_size,
-        cp_rank=config.attn_cp_rank,
-        cp_size=config.attn_cp_size,
-        kv_replicated=replicated,
-    )
-    model_fields = {
-        "name": "sglang",
-        "model_name": config.model_name or "",
-        "dtype": str(getattr(pool, "dtype", "")),
-        "pieces": len(sizes),
-    }
-    if not kv:
-        model_fields.update(pool=pool_name, piece_bytes=",".join(str(int(n)) for n in sizes))
-    return layout_fields(
-        page_bytes=sum(sizes),
-        state_bytes=0,
-        block_size=pool.page_size,
-        layout=f"sglang.{getattr(pool, 'layout', '')}",
-        hash_kind="sglang.page_hash",
-        key_id="sglang",
-        shard=shard,
-        model_fields=model_fields,
-        model_version=model_version,
-    )
-
-
-def pool_name_of(name: Any) -> str:
-    """SGLang's pool name (a ``PoolName`` or its value) as a plain string."""
-    value = name.value if isinstance(name, Enum) else name
-    if not isinstance(value, str) or not value:
-        raise BadArgument(f"a pool name must be a PoolName or a non-empty string, got {name!r}")
-    return value
-
-
-def pool_buffers(pool: Any) -> list[torch.Tensor]:
-    """The CPU tensors of a SGLang host pool that its pages lie in (what SGLang's Mooncake backend registers)."""
-    get = getattr(pool, "get_hybrid_pool_buffer", None)
-    buffers = get() if get is not None else [getattr(pool, "kv_buffer", None)]
-    out = [b for b in buffers if b is not None and (not isinstance(b, torch.Tensor) or b.numel() > 0)]
-    if not out or any(not isinstance(b, torch.Tensor) or b.device.type != "cpu" for b in out):
-        raise BadArgument(f"kvtier's SGLang backend needs a host pool of CPU tensors, got {type(pool).__name__}")
-    return out
-
-
-def byte_ranges(buffers: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """The memory of the tensors as disjoint ``(start, end)`` ranges (overlapping or touching ones merged)."""
-    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers)
-    out: list[tuple[int, int]] = []
-    for start, end in spans:
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def _inside(ranges: Sequence[tuple[int, int]], ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
-    """Whether every piece lies inside one of the ranges."""
-    if len(ranges) == 1:
-        ((start, end),) = ranges
-        return min(ptrs) >= start and max(p + n for p, n in zip(ptrs, sizes, strict=True)) <= end
-    return all(any(s <= p and p + n <= e for s, e in ranges) for p, n in zip(ptrs, sizes, strict=True))
 
 
 def _hit_policy(transfer: PoolTransfer) -> PoolHitPolicy:
@@ -193,23 +100,6 @@ def _hit_policy(transfer: PoolTransfer) -> PoolHitPolicy:
             f"hit policy {transfer.hit_policy!r} of pool {transfer.name!r} is not supported (all_pages, trailing_pages)"
         )
     return policy
-
-
-@dataclass
-class RegisteredPool:
-    """A registered SGLang host pool: its object format and the memory its pages must lie in."""
-
-    pool: Any
-    fmt: ObjectFormat
-    ranges: list[tuple[int, int]]
-
-
-def _check_keys(keys: Sequence[str]) -> None:
-    if not isinstance(keys, (list, tuple)):
-        raise BadArgument(f"keys must be a list of page hashes, got {type(keys).__name__}")
-    for i, key in enumerate(keys):
-        if not isinstance(key, str) or not key:
-            raise BadArgument(f"keys[{i}] must be a non-empty page hash string, got {key!r}")
 
 
 def _tensor_pieces(values: Sequence[Any], what: str) -> Pieces:
@@ -254,39 +144,13 @@ class KvtierStore(HiCacheStorage):
         self.settings = settings_of(storage_config.extra_config)
         s = self.settings
         self.zero_copy = bool(s.l3_zero_copy)
-        # The registered host pools by SGLang's name: "kv" (``register_mem_pool_host``) and hybrid models' others.
-        self._pools: dict[str, RegisteredPool] = {}
-        # The object paths (rust/l3/path.rs): staged, through two staging buffers of their own, the only memory
-        # registered; zero-copy straight from and into the registered host pools. Each made and registered when
-        # first needed (zero-copy, the staged one only if a deprecated call comes); the lock orders that.
-        self._lock = threading.Lock()
-        self._paths: dict[bool, ObjectPath] = {}
-        # The host pools' buffers: the memory every object path may move pages from and into (checked in the core).
-        self._memory: list[torch.Tensor] = []
         self.store: Store = (store_factory or MooncakeStore)(StoreConfig.of(s))
-        self._registered: list[int] = []
+        self.pools = HostPools(self.store, s, storage_config)
         try:
-            self._path(staged=not self.zero_copy)
+            self.pools.path(staged=not self.zero_copy)
         except BaseException:
             self.close()
             raise
-
-    def _register(self, ptr: int, nbytes: int) -> None:
-        self.store.register(ptr, nbytes)
-        self._registered.append(ptr)
-
-    def _path(self, staged: bool) -> ObjectPath:
-        """The staged or zero-copy object path, its buffers registered with the Store."""
-        with self._lock:
-            path = self._paths.get(staged)
-            if path is None:
-                path = ObjectPath(staging_bytes=self.settings.l3_staging_bytes if staged else None)
-                for buffer in self._memory:
-                    path.add_memory(buffer)
-                for ptr, nbytes in path.buffers():
-                    self._register(ptr, nbytes)
-                self._paths[staged] = path
-            return path
 
     # Identity and the host pool
 
@@ -298,9 +162,9 @@ class KvtierStore(HiCacheStorage):
             raise BadArgument(
                 f"kvtier's SGLang backend needs a host pool with a CPU kv_buffer, got {type(mem_pool_host).__name__}"
             )
-        if PoolName.KV.value in self._pools:
+        if PoolName.KV in self.pools:
             raise BadArgument("kvtier's SGLang backend has a KV host pool already")
-        self._add_pool(PoolName.KV.value, mem_pool_host, [kv])
+        self.pools.add(PoolName.KV.value, mem_pool_host, [kv])
         super().register_mem_pool_host(mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -308,54 +172,15 @@ class KvtierStore(HiCacheStorage):
         calls as objects of their own. The KV pool is the one ``register_mem_pool_host`` took."""
         name = pool_name_of(host_pool_name)
         if name == PoolName.KV.value:
-            kv = self._pools.get(name)
-            if kv is None:
+            if name not in self.pools:
                 self.register_mem_pool_host(host_pool)
-            elif host_pool is not kv.pool:
+            elif host_pool is not self.pools.get(name).pool:
                 raise BadArgument("the KV pool of register_mem_host_pool_v2 is not the one register_mem_pool_host took")
             return
-        if name in self._pools:
+        if name in self.pools:
             raise BadArgument(f"host pool {name!r} is registered already")
-        self._add_pool(name, host_pool, pool_buffers(host_pool))
+        self.pools.add(name, host_pool, pool_buffers(host_pool))
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-
-    def _add_pool(self, name: str, pool: Any, buffers: Sequence[torch.Tensor]) -> None:
-        fields = storage_identity(self.storage_config, pool, self.settings.model_version, name)
-        largest = L3_HEADER_BYTES + int(fields["page_bytes"])
-        if largest > self.settings.l3_staging_bytes:
-            raise BadArgument(
-                f"l3_staging_bytes must hold one page object of host pool {name!r} ({largest} bytes), got "
-                f"{self.settings.l3_staging_bytes}"
-            )
-        ranges = byte_ranges(buffers)
-        if self.zero_copy:
-            for start, end in ranges:
-                self._register(start, end - start)
-        fmt = ObjectFormat(fingerprint(fields), hash_key=self.settings.hash_key)
-        with self._lock:
-            self._memory.extend(buffers)
-            for path in self._paths.values():
-                for buffer in buffers:
-                    path.add_memory(buffer)
-        self._pools[name] = RegisteredPool(pool, fmt, ranges)
-        log.info(
-            "kvtier SGLang backend: host pool %s, fingerprint %s, %s, %d bytes a page",
-            name,
-            fmt.fingerprint,
-            "zero-copy" if self.zero_copy else "staged",
-            int(fields["page_bytes"]),
-        )
-
-    def _host_pool(self, name: Any = PoolName.KV) -> RegisteredPool:
-        key = pool_name_of(name)
-        pool = self._pools.get(key)
-        if pool is None:
-            if key == PoolName.KV.value:
-                raise RuntimeError("KvtierStore: register_mem_pool_host(pool) must come before any page moves")
-            raise BadArgument(
-                f"host pool {key!r} is not registered (register_mem_host_pool_v2); have {list(self._pools)}"
-            )
-        return pool
 
     @property
     def fingerprint(self) -> str:
@@ -363,46 +188,14 @@ class KvtierStore(HiCacheStorage):
         return self._fmt().fingerprint
 
     def _fmt(self) -> ObjectFormat:
-        return self._host_pool().fmt
+        return self.pools.get().fmt
 
     def object_keys(self, keys: Sequence[str], pool: Any = PoolName.KV) -> list[str]:
         """The Store key of each SGLang page hash in a host pool (SGLang's ``PoolName``, the KV pool unless
         given)."""
-        _check_keys(keys)
-        fmt = self._host_pool(pool).fmt
-        return fmt.store_keys(fmt.keys(list(keys)))
-
-    def _page_pieces(self, keys: Sequence[str], host_indices: Any, pool: RegisteredPool | None = None) -> Pieces:
-        """Each page's ``(address, bytes)`` pieces in a host pool (the KV pool unless given), checked to lie inside
-        its memory."""
-        _check_keys(keys)
-        pool = pool or self._host_pool()
-        host = pool.pool
-        if (
-            not isinstance(host_indices, torch.Tensor)
-            or host_indices.dim() != 1
-            or host_indices.dtype.is_floating_point
-            or host_indices.dtype.is_complex
-            or host_indices.dtype == torch.bool
-        ):
-            raise BadArgument(f"host_indices must be a 1-D tensor of integers, got {host_indices!r:.80}")
-        if host_indices.numel() != len(keys) * host.page_size:
-            raise BadArgument(
-                f"host_indices must hold {len(keys)} pages of {host.page_size} tokens, got {host_indices.numel()}"
-            )
-        if len(keys) == 0:
-            return []
-        lo, hi = int(host_indices.min()), int(host_indices.max())
-        size = getattr(host, "size", None)
-        if lo < 0 or (size is not None and hi >= size):
-            raise BadArgument(f"host_indices must lie in [0, {size}), got {lo}..{hi}")
-        ptrs, sizes = host.get_page_buffer_meta(host_indices)
-        per = len(ptrs) // len(keys)
-        if per * len(keys) != len(ptrs) or len(sizes) != len(ptrs):
-            raise BadArgument(f"the host pool gave {len(ptrs)} pieces for {len(keys)} pages")
-        if not _inside(pool.ranges, ptrs, sizes):
-            raise BadArgument("the host pool gave page pieces outside its buffers")
-        return [list(zip(ptrs[i : i + per], sizes[i : i + per], strict=True)) for i in range(0, len(ptrs), per)]
+        check_keys(keys)
+        fmt = self.pools.get(pool).fmt
+        return fmt.object_names(fmt.keys(list(keys)))
 
     # Moving objects: the one object path does it all; a Store failure is an outcome, never an exception
 
@@ -421,7 +214,7 @@ class KvtierStore(HiCacheStorage):
         """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
         present. Pieces lie in the host pools or in ``memory`` (tensors of the call)."""
         try:
-            path = self._path(staged)
+            path = self.pools.path(staged)
         except L3Error as e:
             log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
             return [False] * len(hashes)
@@ -432,7 +225,7 @@ class KvtierStore(HiCacheStorage):
     ) -> list[bool]:
         """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
         try:
-            path = self._path(staged)
+            path = self.pools.path(staged)
         except L3Error as e:
             log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
             return [False] * len(hashes)
@@ -443,12 +236,12 @@ class KvtierStore(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._put(self._fmt(), keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._put(self._fmt(), keys, self.pools.page_pieces(keys, host_indices), staged=not self.zero_copy)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._get(self._fmt(), keys, self._page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._get(self._fmt(), keys, self.pools.page_pieces(keys, host_indices), staged=not self.zero_copy)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of the pages, from the first, the Store has."""
@@ -457,8 +250,8 @@ class KvtierStore(HiCacheStorage):
 
     def _present(self, fmt: ObjectFormat, hashes: Sequence[str]) -> list[bool]:
         """Whether the Store has each page's object (none, when the Store fails)."""
-        _check_keys(hashes)
-        skeys = fmt.store_keys(fmt.keys(list(hashes)))
+        check_keys(hashes)
+        skeys = fmt.object_names(fmt.keys(list(hashes)))
         try:
             codes = self.store.exists_many(skeys)
         except L3Error as e:
@@ -481,7 +274,7 @@ class KvtierStore(HiCacheStorage):
         policy: ``all_pages`` needs each page of the prefix, ``trailing_pages`` its last ``len(transfer.keys)``
         pages (Mamba and SWA states). The longest such prefix is the hit; each pool's own longest is reported."""
         transfers = list(pool_transfers or [])
-        pools = [self._host_pool(t.name) for t in transfers]
+        pools = [self.pools.get(t.name) for t in transfers]
         policies = [_hit_policy(t) for t in transfers]
         kv_pages = self.batch_exists(keys, extra_info)
         hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
@@ -521,8 +314,8 @@ class KvtierStore(HiCacheStorage):
         # Every transfer is checked before any page moves.
         plans = []
         for t in transfers:
-            pool = self._host_pool(t.name)
-            plans.append((t.name, pool.fmt, t.keys, self._page_pieces(t.keys, t.host_indices, pool)))
+            pool = self.pools.get(t.name)
+            plans.append((t.name, pool.fmt, t.keys, self.pools.page_pieces(t.keys, t.host_indices, pool)))
         move = self._put if put else self._get
         return {name: move(fmt, keys, pieces, not self.zero_copy) for name, fmt, keys, pieces in plans}
 
@@ -538,7 +331,7 @@ class KvtierStore(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
         """Tensors: a list of each tensor filled, or None. Addresses and sizes: how many pages, from the first,
         were found and verified."""
-        _check_keys(keys)
+        check_keys(keys)
         if target_locations is None or len(target_locations) != len(keys):
             raise BadArgument(f"need one target location per key, got {target_locations!r:.80}")
         if all(isinstance(t, torch.Tensor) for t in target_locations):
@@ -559,7 +352,7 @@ class KvtierStore(HiCacheStorage):
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
         """Puts each tensor of ``values``, or each address and size; True when every page is stored (or was)."""
-        _check_keys(keys)
+        check_keys(keys)
         memory: Sequence[Any] = ()
         if values is not None:
             pieces, memory = _tensor_pieces(values, "values"), values
@@ -577,24 +370,15 @@ class KvtierStore(HiCacheStorage):
         """The object paths' counters, named as kvtier's L3 statistics (``kvtier.STATS``): objects put, present,
         failed, loaded, missing and lost; ``l3_rejected`` objects (failed their check, never served) and how many
         of them were removed."""
-        out: dict[str, int] = {}
-        with self._lock:
-            paths = list(self._paths.values())
-        for path in paths:
-            for k, v in path.stats().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return self.pools.stats()
 
     def close(self) -> None:
         """Unregisters the buffers and closes the Store client. Idempotent."""
         store = getattr(self, "store", None)
         if store is None:
             return
-        for ptr in self._registered:
-            try:
-                store.unregister(ptr)
-            except L3Error as e:
-                log.warning("kvtier SGLang backend: unregister failed: %s", e)
-        self._registered.clear()
+        pools = getattr(self, "pools", None)
+        if pools is not None:
+            pools.unregister()
         store.close()
         self.store = None  # type: ignore[assignment]

@@ -194,7 +194,7 @@ class KvtierMooncakeTier(SecondaryTierManager):
 
     def object_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
         """The Store key of each vLLM key's object (``object_bytes`` long: header and vLLM chunk)."""
-        return self._format.store_keys(self._format.keys([bytes(k).hex() for k in keys]))
+        return self._format.object_names(self._format.keys([bytes(k).hex() for k in keys]))
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
