@@ -387,6 +387,35 @@ class Raising(StoreWrapper):
         self.fail("get")
 
 
+@pytest.mark.parametrize("code", [-800, -707, -900])
+def test_a_transient_get_failure_removes_nothing(mooncake_server, code):
+    """Gets that fail for a passing reason (a transfer failure, an expired lease, an RPC failure) are misses: the
+    objects stay in the Store, and a later reader hits them."""
+    w = work(71 + code % 7)
+    a = attach(engine(), mooncake_server.master_addr)
+    w.run(a.engine)
+    assert settle(a)["l3_bytes_put"] > 0
+    a.close()
+
+    class Transient(StoreWrapper):
+        def get_many(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+            return [code] * len(keys)
+
+    b = attach(engine(), mooncake_server.master_addr, l3_store=lambda config: Transient(MooncakeStore(config)))
+    assert w.run(b.engine) == w.run(engine())
+    s = settle(b)
+    assert s["l3_gets_failed"] > 0 and s["l3_hits"] == 0, s
+    assert s["l3_rejected"] == 0 and s["l3_rejected_removed"] == 0, s
+    b.cache.index.check()
+    b.close()
+
+    c = attach(engine(), mooncake_server.master_addr)
+    assert w.run(c.engine) == w.run(engine())
+    s = settle(c)
+    assert s["l3_hits"] > 0 and s["l3_pages_loaded"] > 0 and s["l3_rejected"] == 0, s
+    c.close()
+
+
 @pytest.mark.parametrize("exists_too", [False, True])
 def test_a_store_that_raises_leaves_nothing_held(mooncake_server, exists_too):
     w = work(51 + exists_too)

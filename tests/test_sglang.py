@@ -195,6 +195,56 @@ def test_planted_values_are_rejected_counted_and_removed(
     assert all(torch.equal(page(pool, 8 + p), page(pool, p)) for p in range(PAGES))
 
 
+@pytest.mark.parametrize("code", [-800, -707, -900, "raise"])
+def test_a_transient_get_failure_removes_nothing(mooncake_server: Any, closing: list[Any], code: int | str) -> None:
+    """A get that fails for a passing reason (a transfer failure, an expired lease, an RPC failure, a client that
+    raises) is a miss this time only: the objects stay in the Store and the next get serves them."""
+    from kvtier.l3.errors import L3Error
+    from kvtier.l3.store import MooncakeStore
+    from kvtier.tools.faults import StoreWrapper
+
+    class FailsOnce(StoreWrapper):
+        failed = False
+
+        def get_many(self, keys: Any, ptrs_per_key: Any, sizes_per_key: Any) -> list[int]:
+            if not self.failed:
+                self.failed = True
+                if code == "raise":
+                    raise L3Error("the client lost its connection")
+                return [int(code)] * len(keys)
+            return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
+
+    pool = host_pool(pages=16)
+    store = KvtierStore(storage_config(extra(mooncake_server)), store_factory=lambda c: FailsOnce(MooncakeStore(c)))
+    closing.append(store)
+    store.register_mem_pool_host(pool)
+    pool.kv_buffer.view(torch.uint8).random_(0, 256)
+    keys = page_hashes(PAGES)
+    assert all(store.batch_set_v1(keys, tokens(0)))
+    assert store.batch_get_v1(keys, tokens(8)) == [False] * PAGES
+    assert store.stats()["l3_rejected_removed"] == 0
+    assert store.batch_exists(keys) == PAGES
+    assert store.batch_get_v1(keys, tokens(8)) == [True] * PAGES
+    assert all(torch.equal(page(pool, 8 + p), page(pool, p)) for p in range(PAGES))
+
+
+def test_a_value_one_byte_longer_is_removed_and_put_again(mooncake_server: Any, raw: Raw, closing: list[Any]) -> None:
+    pool = host_pool(pages=16)
+    a = build("dynamic", extra(mooncake_server), pool)
+    closing.append(a)
+    pool.kv_buffer.view(torch.uint8).random_(0, 256)
+    keys = page_hashes(PAGES)
+    assert all(a.batch_set_v1(keys, tokens(0)))
+    key = a.object_keys(keys)[1]
+    raw.plant(key, raw.get(key) + b"\0")
+    assert a.batch_get_v1(keys, tokens(8)) == [True, False, True, True]
+    assert a.stats()["l3_rejected_removed"] == 1
+    assert a.batch_exists(keys[1:2]) == 0  # removed: SGLang's next backup of the page puts it again
+    assert all(a.batch_set_v1(keys, tokens(0)))
+    assert a.batch_get_v1(keys, tokens(8)) == [True] * PAGES
+    assert torch.equal(page(pool, 9), page(pool, 1))
+
+
 def test_the_same_planted_values_are_served_by_sglangs_mooncake_backend(
     mooncake_server: Any, raw: Raw, closing: list[Any]
 ) -> None:

@@ -1125,6 +1125,81 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         manager.shutdown()
 
 
+def test_mooncake_tier_removes_a_value_one_byte_longer_and_puts_it_again(mooncake_master: str) -> None:
+    spec = tiering_spec(mooncake_master)
+    manager = spec.get_manager()
+    (tier,) = manager.secondary_tiers
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    try:
+        rows[1] = 7
+        tier.submit_store(tier_job(1, [key(1)], [1], False, "a"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        (skey,), size = tier.object_keys([key(1)]), tier.object_bytes
+        buf = np.zeros(size + 1, dtype=np.uint8)
+        assert tier.store.get_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [size]
+        assert tier.store.remove(skey, True) == 0
+        assert tier.store.put_many([skey], [[int(buf.ctypes.data)]], [[size + 1]]) == [0]
+        rows[2] = 0
+        tier.submit_load(tier_job(2, [key(1)], [2], True, "b"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [False]
+        assert tier.counters["rejected"] == 1
+        assert tier.store.exists_many([skey]) == [0], "the wrong value is removed from the Store"
+        # Forgotten as put: the next store of the chunk puts it again, and it is served.
+        tier.submit_store(tier_job(3, [key(1)], [1], False, "c"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert tier.store.exists_many([skey]) == [1]
+        tier.submit_load(tier_job(4, [key(1)], [2], True, "d"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert (rows[2] == 7).all()
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("code", [-800, -707, -900])
+def test_mooncake_tier_a_transient_get_failure_removes_nothing(mooncake_master: str, code: int) -> None:
+    """A get that fails for a passing reason (a transfer failure, an expired lease, an RPC failure) fails that load
+    only: the object stays in the Store, no removal is published, and the next load serves it."""
+    from kvtier.tools.faults import StoreWrapper
+
+    class FailsOnce(StoreWrapper):
+        failed = False
+
+        def get_many(self, keys: Any, ptrs_per_key: Any, sizes_per_key: Any) -> list[int]:
+            if not self.failed:
+                self.failed = True
+                return [code] * len(keys)
+            return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
+
+    spec = tiering_spec(mooncake_master)
+    manager = spec.get_manager()
+    (tier,) = manager.secondary_tiers
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    try:
+        rows[1] = 7
+        tier.submit_store(tier_job(1, [key(1)], [1], False, "a"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        tier.store = FailsOnce(tier.store)
+        rows[2] = 0
+        tier.submit_load(tier_job(2, [key(1)], [2], True, "b"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [False]
+        assert tier.counters["rejected"] == 0
+        assert not [k for e in tier.take_events() if e.removed for k in e.keys]
+        (skey,) = tier.object_keys([key(1)])
+        assert tier.store.exists_many([skey]) == [1], "the object is still in the Store"
+        tier.submit_load(tier_job(3, [key(1)], [2], True, "c"))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert (rows[2] == 7).all()
+    finally:
+        manager.shutdown()
+
+
 @pytest.mark.parametrize(
     ("tier", "message"),
     [
