@@ -400,7 +400,12 @@ impl Window {
     ) -> std::result::Result<Self, E> {
         let mut pieces = Vec::with_capacity(ranges.len());
         for r in ranges.iter().filter(|r| r.start < r.end) {
-            pieces.push((r.start, r.clone().map(&mut id).collect::<std::result::Result<Vec<i32>, E>>()?));
+            // A plain loop into a vector of the range's size (collecting into a Result grows it step by step).
+            let mut ids = Vec::with_capacity(r.len());
+            for i in r.clone() {
+                ids.push(id(i)?);
+            }
+            pieces.push((r.start, ids));
         }
         Ok(Self { len, pieces })
     }

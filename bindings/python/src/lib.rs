@@ -311,32 +311,41 @@ pub(crate) fn prompt_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
     seq.len().map_err(|e| raised_by(seq.py(), "token_ids", e))
 }
 
-/// Item `i` of a list or tuple as a token id.
+/// Item `i` of a list or tuple as a token id. The common case (an exact int in range) is inlined into the read's
+/// loop; anything else goes to `item_slow`.
+#[inline(always)]
 fn item(seq: &Bound<'_, PyAny>, is_list: bool, i: usize) -> PyResult<i32> {
-    let py = seq.py();
     let at = i as pyo3::ffi::Py_ssize_t;
     // SAFETY: `seq` is a live list or tuple and the GIL is held. The item is a borrowed reference, used only while
     // no Python code can run (an exact int converts without calling back into Python); anything else is read
-    // through an owned reference below.
+    // through an owned reference in `item_slow`.
     unsafe {
         let p = if is_list {
             pyo3::ffi::PyList_GetItem(seq.as_ptr(), at)
         } else {
             pyo3::ffi::PyTuple_GetItem(seq.as_ptr(), at)
         };
-        if p.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        if pyo3::ffi::PyLong_CheckExact(p) != 0 {
+        if !p.is_null() && pyo3::ffi::PyLong_CheckExact(p) != 0 {
             let v = pyo3::ffi::PyLong_AsLongLong(p);
-            if v == -1 && PyErr::take(py).is_some() {
-                return Err(bad_argument(bad_token(i, "an int beyond 64 bits").to_string()));
+            if (0..TOKEN_LIMIT).contains(&v) {
+                return Ok(v as i32);
             }
-            if !(0..TOKEN_LIMIT).contains(&v) {
-                return Err(bad_argument(bad_token(i, v).to_string()));
-            }
-            return Ok(v as i32);
         }
+    }
+    item_slow(seq, i)
+}
+
+/// `item` for what is not an exact int in range: the error that names it (or the value of an int subclass).
+#[cold]
+#[inline(never)]
+fn item_slow(seq: &Bound<'_, PyAny>, i: usize) -> PyResult<i32> {
+    let py = seq.py();
+    if let Some(e) = PyErr::take(py) {
+        // PyList_GetItem's IndexError (the list shrank meanwhile) or PyLong_AsLongLong's OverflowError.
+        if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) {
+            return Err(bad_argument(bad_token(i, "an int beyond 64 bits").to_string()));
+        }
+        return Err(e);
     }
     let obj = seq.get_item(i).map_err(|e| raised_by(py, "token_ids", e))?;
     if obj.is_instance_of::<pyo3::types::PyBool>() {
