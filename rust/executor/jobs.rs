@@ -144,8 +144,8 @@ impl Jobs {
             bytes += p.gpu_ids.len() as u64 * copier.pool().segment_bytes * layers.len() as u64;
             ranges.push(layers);
         }
-        let lane = &mut self.lanes[lane.index()];
-        let stream = lane.stream.as_ref().map_or(engine_stream, Stream::handle);
+        let lane = lane.index();
+        let stream = self.lanes[lane].stream.as_ref().map_or(engine_stream, Stream::handle);
         let mut failure = match &self.order {
             // Stores read what the engine wrote; loads overwrite blocks the engine may still be zeroing: both start
             // after the engine's work so far.
@@ -160,9 +160,12 @@ impl Jobs {
                 }
             }
         }
-        if let Err(e) = lane.queue.record(job, stream) {
-            // Nothing can say when what was launched completes: wait for the whole stream's work, then report.
-            let _ = lane.queue.wait_all();
+        if let Err(e) = self.lanes[lane].queue.record(job, stream) {
+            // The job's completion cannot be recorded (the device is failing): the lane's earlier jobs are waited
+            // for and reported, and this one fails.
+            if let Ok(done) = self.lanes[lane].queue.wait_all() {
+                self.settle(done);
+            }
             self.done.push((job, false, 0));
             return Ok(Some(failure.unwrap_or(e)));
         }

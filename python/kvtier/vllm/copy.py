@@ -100,12 +100,7 @@ class ChunkCopier:
                 raise BadArgument(f"tensors[{i}] is on {t.device}, tensors[0] on {rows[0].device}")
         self.device = rows[0].device
         place = self._make_copiers(rows, copy_options or {}, pin_method, pin_step_bytes)
-        self.group_runs: list[list[_Run]] = []
-        self.group_bytes: list[int] = []
-        for g, tensor_ids in enumerate(groups):
-            runs, nbytes = self._group_runs(g, tensor_ids, place, rows)
-            self.group_runs.append(runs)
-            self.group_bytes.append(nbytes)
+        self.group_runs = [self._group_runs(g, tensor_ids, place, len(rows)) for g, tensor_ids in enumerate(groups)]
         self._cuda = self.device.type == "cuda"
         self._jobs = JobCopier([c.core for c in self.copiers], copy_streams)
 
@@ -137,22 +132,19 @@ class ChunkCopier:
         return place
 
     def _group_runs(
-        self, g: int, tensor_ids: Sequence[int], place: Mapping[int, tuple[int, int]], rows: list[Any]
-    ) -> tuple[list[_Run], int]:
-        """The copier runs KV group ``g`` copies (runs of consecutive layers of a copier, or all of them), and its
-        bytes a block."""
+        self, g: int, tensor_ids: Sequence[int], place: Mapping[int, tuple[int, int]], num_tensors: int
+    ) -> list[_Run]:
+        """The copier runs KV group ``g`` copies: runs of consecutive layers of a copier, or all of them."""
         used: dict[int, list[int]] = {}
         for i in tensor_ids:
-            if not 0 <= i < len(rows):
-                raise BadArgument(f"group {g} refers to tensor {i}; there are {len(rows)}")
+            if not 0 <= i < num_tensors:
+                raise BadArgument(f"group {g} refers to tensor {i}; there are {num_tensors}")
             c, layer = place[i]
             if layer not in used.setdefault(c, []):
                 used[c].append(layer)
         runs: list[_Run] = []
-        nbytes = 0
         for c, layers in used.items():
             layers.sort()
-            nbytes += len(layers) * self.copiers[c].page_bytes // self.copiers[c].num_layers
             if len(layers) == self.copiers[c].num_layers:
                 runs.append(_Run(c, None))
                 continue
@@ -162,7 +154,7 @@ class ChunkCopier:
                     runs.append(_Run(c, (start, prev + 1)))
                     start = layer
                 prev = layer
-        return runs, nbytes
+        return runs
 
     def pairs(
         self, gpu_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int], chunk_ids: Any
