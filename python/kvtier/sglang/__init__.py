@@ -208,40 +208,37 @@ class KvtierStore(HiCacheStorage):
             log.info("kvtier SGLang backend: %s of %d pages not done, first code %s", what, len(failed), failed[0].code)
         return [o.ok for o in outcomes]
 
-    def _put(
-        self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool, memory: Sequence[Any] = ()
+    def _move(
+        self,
+        put: bool,
+        fmt: ObjectFormat,
+        hashes: Sequence[str],
+        pieces: Pieces,
+        staged: bool,
+        memory: Sequence[Any] = (),
     ) -> list[bool]:
-        """Puts each page object unless the Store has it (the first writer wins); True for each page stored or
-        present. Pieces lie in the host pools or in ``memory`` (tensors of the call)."""
+        """Puts each page object unless the Store has it (the first writer wins: True for each page stored or
+        present), or gets each into its pieces and checks it there (True only for a whole, verified object). Pieces
+        lie in the host pools or in ``memory`` (tensors of the call)."""
         try:
             path = self.pools.path(staged)
         except L3Error as e:
             log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
             return [False] * len(hashes)
-        return self._moved("put", path.put(self.store, fmt, list(hashes), pieces, memory=list(memory)))
-
-    def _get(
-        self, fmt: ObjectFormat, hashes: Sequence[str], pieces: Pieces, staged: bool, memory: Sequence[Any] = ()
-    ) -> list[bool]:
-        """Gets each page object into its pieces and checks it there; True only for a whole, verified object."""
-        try:
-            path = self.pools.path(staged)
-        except L3Error as e:
-            log.warning("kvtier SGLang backend: registering the staging buffers failed: %s", e)
-            return [False] * len(hashes)
-        return self._moved("get", path.get(self.store, fmt, list(hashes), pieces, memory=list(memory)))
+        move = path.put if put else path.get
+        return self._moved("put" if put else "get", move(self.store, fmt, list(hashes), pieces, memory=list(memory)))
 
     # HiCacheStorage: zero-copy calls on the registered host pool
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._put(self._fmt(), keys, self.pools.page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._move(True, self._fmt(), keys, self.pools.page_pieces(keys, host_indices), not self.zero_copy)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._get(self._fmt(), keys, self.pools.page_pieces(keys, host_indices), staged=not self.zero_copy)
+        return self._move(False, self._fmt(), keys, self.pools.page_pieces(keys, host_indices), not self.zero_copy)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of the pages, from the first, the Store has."""
@@ -316,8 +313,7 @@ class KvtierStore(HiCacheStorage):
         for t in transfers:
             pool = self.pools.get(t.name)
             plans.append((t.name, pool.fmt, t.keys, self.pools.page_pieces(t.keys, t.host_indices, pool)))
-        move = self._put if put else self._get
-        return {name: move(fmt, keys, pieces, not self.zero_copy) for name, fmt, keys, pieces in plans}
+        return {name: self._move(put, fmt, keys, pieces, not self.zero_copy) for name, fmt, keys, pieces in plans}
 
     # HiCacheStorage: the deprecated calls with tensors or raw pointers (always through the staging buffers)
 
@@ -336,10 +332,10 @@ class KvtierStore(HiCacheStorage):
             raise BadArgument(f"need one target location per key, got {target_locations!r:.80}")
         if all(isinstance(t, torch.Tensor) for t in target_locations):
             pieces = _tensor_pieces(target_locations, "target_locations")
-            ok = self._get(self._fmt(), keys, pieces, staged=True, memory=target_locations)
+            ok = self._move(False, self._fmt(), keys, pieces, staged=True, memory=target_locations)
             return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
-        ok = self._get(
-            self._fmt(), keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True
+        ok = self._move(
+            False, self._fmt(), keys, _pointer_pieces(target_locations, target_sizes, "target_locations"), staged=True
         )
         return next((i for i, hit in enumerate(ok) if not hit), len(ok))
 
@@ -362,7 +358,7 @@ class KvtierStore(HiCacheStorage):
             raise BadArgument("batch_set needs values or target_locations")
         if len(pieces) != len(keys):
             raise BadArgument(f"need one value per key: {len(keys)} keys, {len(pieces)} values")
-        return bool(keys) and all(self._put(self._fmt(), keys, pieces, staged=True, memory=memory))
+        return bool(keys) and all(self._move(True, self._fmt(), keys, pieces, staged=True, memory=memory))
 
     # Statistics and shutdown
 
