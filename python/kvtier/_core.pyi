@@ -11,7 +11,6 @@ __version__: Final[str]
 # Version of the block-key derivation: every key changes with it (part of the L3 fingerprint).
 KEY_SCHEME: Final[int]
 __all__ = [
-    "COPY_LANES",
     "COPY_METHODS",
     "EVICTION_POLICIES",
     "HASH_KINDS",
@@ -482,8 +481,6 @@ class CompletionQueue:
     def wait_all(self) -> list[int]: ...
 
 def dma_supported() -> bool: ...
-
-COPY_LANES: Final[list[str]]
 
 @final
 class JobCopier:

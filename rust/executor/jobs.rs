@@ -94,10 +94,6 @@ impl Jobs {
         Ok(Self { copiers, lanes, order, running: HashMap::new(), failed: HashSet::new(), done: Vec::new() })
     }
 
-    pub fn copiers(&self) -> &[PageCopier] {
-        &self.copiers
-    }
-
     /// Whether jobs run on kvtier's own copy streams (else on the engine's).
     pub fn copy_streams(&self) -> bool {
         self.order.is_some()

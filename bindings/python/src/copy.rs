@@ -1,17 +1,17 @@
 //! Python classes of the copy path: `HostPool`, `PageCopier` (over layer tensors read through DLPack;
 //! python/kvtier/copy.py wraps it for an engine's pool), `CompletionQueue`, the copy streams' `CopyStream` and
 //! `CopyEvent`, and `JobCopier` (copy jobs on three lanes, for an engine that names its own transfers).
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::dlpack::layer_tensor;
-use crate::{bad_argument, int32s, non_negative, to_py};
+use crate::{bad_argument, int32s, lock, non_negative, to_py};
 use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
 use kvtier::executor::cuda::{self, Event, Stream};
 use kvtier::executor::hostmem::{self, HostPool};
-use kvtier::executor::jobs::{Jobs, Lane, Piece, LANES};
+use kvtier::executor::jobs::{Jobs, Lane, Piece};
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
@@ -20,7 +20,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCopyStream>()?;
     m.add_class::<PyCopyEvent>()?;
     m.add_class::<PyJobCopier>()?;
-    m.add("COPY_LANES", LANES.to_vec())?;
     m.add_function(wrap_pyfunction!(dma_supported, m)?)?;
     m.add("COPY_METHODS", Method::NAMES.to_vec())?;
     m.add("PIN_METHODS", hostmem::PinMethod::NAMES.to_vec())?;
@@ -323,12 +322,6 @@ pub struct PyCompletionQueue {
     inner: Mutex<CompletionQueue>,
 }
 
-impl PyCompletionQueue {
-    fn lock(&self) -> MutexGuard<'_, CompletionQueue> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
 #[pymethods]
 impl PyCompletionQueue {
     #[new]
@@ -344,21 +337,21 @@ impl PyCompletionQueue {
     #[pyo3(signature = (ticket, stream = 0))]
     fn record(&self, ticket: i64, stream: u64) -> PyResult<()> {
         let ticket = non_negative("ticket", ticket)?;
-        self.lock().record(ticket, stream).map_err(to_py)
+        lock(&self.inner).record(ticket, stream).map_err(to_py)
     }
 
     /// Tickets completed since the last poll, in record order, up to the first still running.
     fn poll(&self) -> PyResult<Vec<u64>> {
-        self.lock().poll().map_err(to_py)
+        lock(&self.inner).poll().map_err(to_py)
     }
 
     fn pending(&self) -> usize {
-        self.lock().pending()
+        lock(&self.inner).pending()
     }
 
     /// Block (GIL released) until all recorded work has completed; returns the tickets not yet polled.
     fn wait_all(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        py.detach(|| self.lock().wait_all()).map_err(to_py)
+        py.detach(|| lock(&self.inner).wait_all()).map_err(to_py)
     }
 }
 
@@ -442,12 +435,6 @@ pub struct PyJobCopier {
     _copiers: Vec<Py<PyPageCopier>>,
 }
 
-impl PyJobCopier {
-    fn lock(&self) -> MutexGuard<'_, Jobs> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
 #[pymethods]
 impl PyJobCopier {
     #[new]
@@ -493,37 +480,38 @@ impl PyJobCopier {
                 layers: layers.clone(),
             })
             .collect();
-        let failed = py.detach(|| self.lock().submit(job, to_host, lane, &pieces, engine_stream)).map_err(to_py)?;
+        let failed =
+            py.detach(|| lock(&self.inner).submit(job, to_host, lane, &pieces, engine_stream)).map_err(to_py)?;
         Ok(failed.map(|e| e.to_string()))
     }
 
     /// (job, success, bytes) of the jobs completed since the last call, each lane's in submission order.
     fn finished(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64)>> {
-        py.detach(|| self.lock().finished()).map_err(to_py)
+        py.detach(|| lock(&self.inner).finished()).map_err(to_py)
     }
 
     /// Returns once the given jobs (those in flight) completed; their results stay for `finished`.
     fn wait(&self, py: Python<'_>, jobs: Vec<u64>) -> PyResult<()> {
-        py.detach(|| self.lock().wait(&jobs)).map_err(to_py)
+        py.detach(|| lock(&self.inner).wait(&jobs)).map_err(to_py)
     }
 
     /// Waits for every job in flight.
     fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().wait_all()).map_err(to_py)
+        py.detach(|| lock(&self.inner).wait_all()).map_err(to_py)
     }
 
     /// The raw copy stream of `lane`, or None when jobs run on the engine's stream.
     fn lane_stream(&self, lane: &str) -> PyResult<Option<u64>> {
-        Ok(self.lock().lane_stream(Lane::parse(lane).map_err(to_py)?))
+        Ok(lock(&self.inner).lane_stream(Lane::parse(lane).map_err(to_py)?))
     }
 
     #[getter]
     fn pending(&self) -> usize {
-        self.lock().pending()
+        lock(&self.inner).pending()
     }
 
     #[getter]
     fn copy_streams(&self) -> bool {
-        self.lock().copy_streams()
+        lock(&self.inner).copy_streams()
     }
 }

@@ -1,6 +1,6 @@
 //! `kvtier._core.L3Planner` (the L3 tier's planning and jobs, rust/l3/plan.rs), `ObjectPath` (the one object path,
 //! rust/l3/path.rs) and the Python Store client as the core's `Store`.
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -9,7 +9,7 @@ use crate::copy::PyHostPool;
 use crate::dlpack::host_region;
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
-use crate::{bad_argument, namespace_bytes, non_negative, to_py};
+use crate::{bad_argument, lock, namespace_bytes, non_negative, to_py};
 use kvtier::l3;
 use kvtier::l3::path::{
     self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Regions, Store,
@@ -40,10 +40,6 @@ fn class_name(c: CodeClass) -> &'static str {
         CodeClass::NoSpace => "no_space",
         CodeClass::Transient => "transient",
     }
-}
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The layout fingerprint of L3 keys: a hash of every field that changes the bytes behind a key, the object
@@ -211,7 +207,7 @@ impl PyObjectPath {
         memory: &[Bound<'_, PyAny>],
     ) -> PyResult<(Vec<Object>, Vec<Py<PyAny>>)> {
         let objects = fmt.engine().objects(&hashes, pieces).map_err(to_py)?;
-        let mut regions = locked(&self.memory).0.clone();
+        let mut regions = lock(&self.memory).0.clone();
         let mut held = Vec::with_capacity(memory.len());
         for (i, m) in memory.iter().enumerate() {
             let ((addr, bytes), owner) = host_region(m, &format!("memory[{i}]"))?;
@@ -235,7 +231,7 @@ impl PyObjectPath {
     /// host pool), held for the path's life. Every piece a put or get names must lie inside registered memory.
     fn add_memory(&self, memory: &Bound<'_, PyAny>) -> PyResult<()> {
         let ((addr, bytes), owner) = host_region(memory, "memory")?;
-        let mut m = locked(&self.memory);
+        let mut m = lock(&self.memory);
         m.0.add(addr, bytes);
         m.1.push(owner);
         Ok(())
@@ -366,7 +362,7 @@ impl PyL3Planner {
 
     #[getter]
     fn fingerprint(&self) -> String {
-        locked(&self.inner).fingerprint().to_owned()
+        lock(&self.inner).fingerprint().to_owned()
     }
     #[getter]
     fn group_pages(&self) -> usize {
@@ -375,7 +371,7 @@ impl PyL3Planner {
     /// `(address, bytes)` of the memory the Store must have registered: the staging buffers, or zero-copy the host
     /// pools, the header slots and the scratch pages.
     fn buffers(&self) -> Vec<(usize, usize)> {
-        locked(&self.inner).registered(&self.path)
+        lock(&self.inner).registered(&self.path)
     }
     /// Whether objects move straight from and into the host pools (the Store then registers them).
     #[getter]
@@ -390,15 +386,15 @@ impl PyL3Planner {
     /// already planned keep the fingerprint they were planned under.
     fn set_fingerprint(&self, py: Python<'_>, fingerprint: &str) -> PyResult<()> {
         // The planner's lock is only ever taken with the GIL released (a job holds it without the GIL).
-        py.detach(|| locked(&self.inner).set_fingerprint(fingerprint)).map_err(to_py)
+        py.detach(|| lock(&self.inner).set_fingerprint(fingerprint)).map_err(to_py)
     }
     /// The Store key of the group whose last page has this chain key.
     fn group_key(&self, py: Python<'_>, last_page_key: u128) -> String {
-        py.detach(|| locked(&self.inner).group_key(last_page_key))
+        py.detach(|| lock(&self.inner).group_key(last_page_key))
     }
     /// The Store key of the state after the page with this chain key.
     fn state_key(&self, py: Python<'_>, page_key: u128) -> String {
-        py.detach(|| locked(&self.inner).state_key(page_key))
+        py.detach(|| lock(&self.inner).state_key(page_key))
     }
 
     /// The write-behind of what a store made ready, through `store` (the Store client): None when nothing is new.

@@ -21,11 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._core import COPY_LANES, BadArgument
+from kvtier._core import BadArgument
 
 log = logging.getLogger("kvtier.vllm")
-
-LANES = tuple(COPY_LANES)
 
 
 def byte_rows(t: Any, name: str) -> Any:
@@ -207,8 +205,6 @@ class ChunkCopier:
         """Copies the blocks to their host blocks (``to_host``) or back; ``lane``: "store", "load" or "expedited"
         (default: "store" for ``to_host``, else "load")."""
         lane = lane or ("store" if to_host else "load")
-        if lane not in LANES:
-            raise BadArgument(f"lane must be one of {LANES}, got {lane!r}")
         pieces = [
             (run.copier, gpu, slots, run.layers)
             for g, gpu, slots in self.pairs(gpu_ids, group_sizes, block_indices, chunk_ids)
