@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -1092,16 +1094,30 @@ def probe(tier: Any, k: Any, what: str) -> Any:
     raise AssertionError(f"the tier kept answering RETRY for {what}")
 
 
-def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_master: str) -> None:
-    spec = tiering_spec(mooncake_master)
-    manager = spec.get_manager()
+@contextmanager
+def chunk_in_the_store(master: str) -> Iterator[tuple[Any, np.ndarray]]:
+    """vLLM's tiering spec with kvtier's Mooncake tier on ``master``, chunk 1 (every byte 7) put into the Store under
+    ``key(1)``: yields the tier and the CPU tier's chunk rows."""
+    manager = tiering_spec(master).get_manager()
     (tier,) = manager.secondary_tiers
     rows = np.asarray(manager.primary_tier.get_kv_memoryview())
     try:
         rows[1] = 7
-        tier.submit_store(tier_job(1, [key(1)], [1], False, "a"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert [r.success for r in run_job(tier, tier.submit_store, tier_job(1, [key(1)], [1], False, "a"))] == [True]
+        yield tier, rows
+    finally:
+        manager.shutdown()
+
+
+def run_job(tier: Any, submit: Any, job: Any) -> list[Any]:
+    """Submits ``job`` to the tier, runs it and returns the tier's finished jobs."""
+    submit(job)
+    tier.drain_jobs()
+    return list(tier.get_finished_jobs())
+
+
+def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_master: str) -> None:
+    with chunk_in_the_store(mooncake_master) as (tier, rows):
         # Someone with Store access overwrites the object's payload (same length, header kept).
         (skey,), size = tier.object_keys([key(1)]), tier.object_bytes
         buf = np.zeros(size, dtype=np.uint8)
@@ -1111,9 +1127,7 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         assert tier.store.put_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [0]
 
         rows[2] = 0
-        tier.submit_load(tier_job(2, [key(1)], [2], True, "b"))
-        tier.drain_jobs()
-        (result,) = tier.get_finished_jobs()
+        (result,) = run_job(tier, tier.submit_load, tier_job(2, [key(1)], [2], True, "b"))
         assert result.success is False and list(getattr(result, "successful_keys", None) or []) == []
         assert tier.counters["rejected"] == 1
         # Forgotten here, and the Store, asked, has it no more.
@@ -1121,42 +1135,24 @@ def test_mooncake_tier_refuses_a_forged_object_and_reports_it_removed(mooncake_m
         removed = [k for e in tier.take_events() if e.removed for k in e.keys]
         assert removed == ([key(1)] if release.TIER_EVENTS else [])
         assert tier.store.exists_many([skey]) == [0], "the forged object is removed from the Store"
-    finally:
-        manager.shutdown()
 
 
 def test_mooncake_tier_removes_a_value_one_byte_longer_and_puts_it_again(mooncake_master: str) -> None:
-    spec = tiering_spec(mooncake_master)
-    manager = spec.get_manager()
-    (tier,) = manager.secondary_tiers
-    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
-    try:
-        rows[1] = 7
-        tier.submit_store(tier_job(1, [key(1)], [1], False, "a"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+    with chunk_in_the_store(mooncake_master) as (tier, rows):
         (skey,), size = tier.object_keys([key(1)]), tier.object_bytes
         buf = np.zeros(size + 1, dtype=np.uint8)
         assert tier.store.get_many([skey], [[int(buf.ctypes.data)]], [[size]]) == [size]
         assert tier.store.remove(skey, True) == 0
         assert tier.store.put_many([skey], [[int(buf.ctypes.data)]], [[size + 1]]) == [0]
         rows[2] = 0
-        tier.submit_load(tier_job(2, [key(1)], [2], True, "b"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [False]
+        assert [r.success for r in run_job(tier, tier.submit_load, tier_job(2, [key(1)], [2], True, "b"))] == [False]
         assert tier.counters["rejected"] == 1
         assert tier.store.exists_many([skey]) == [0], "the wrong value is removed from the Store"
         # Forgotten as put: the next store of the chunk puts it again, and it is served.
-        tier.submit_store(tier_job(3, [key(1)], [1], False, "c"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert [r.success for r in run_job(tier, tier.submit_store, tier_job(3, [key(1)], [1], False, "c"))] == [True]
         assert tier.store.exists_many([skey]) == [1]
-        tier.submit_load(tier_job(4, [key(1)], [2], True, "d"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert [r.success for r in run_job(tier, tier.submit_load, tier_job(4, [key(1)], [2], True, "d"))] == [True]
         assert (rows[2] == 7).all()
-    finally:
-        manager.shutdown()
 
 
 @pytest.mark.parametrize("code", [-800, -707, -900])
@@ -1174,30 +1170,16 @@ def test_mooncake_tier_a_transient_get_failure_removes_nothing(mooncake_master: 
                 return [code] * len(keys)
             return self.inner.get_many(keys, ptrs_per_key, sizes_per_key)
 
-    spec = tiering_spec(mooncake_master)
-    manager = spec.get_manager()
-    (tier,) = manager.secondary_tiers
-    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
-    try:
-        rows[1] = 7
-        tier.submit_store(tier_job(1, [key(1)], [1], False, "a"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+    with chunk_in_the_store(mooncake_master) as (tier, rows):
         tier.store = FailsOnce(tier.store)
         rows[2] = 0
-        tier.submit_load(tier_job(2, [key(1)], [2], True, "b"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [False]
+        assert [r.success for r in run_job(tier, tier.submit_load, tier_job(2, [key(1)], [2], True, "b"))] == [False]
         assert tier.counters["rejected"] == 0
         assert not [k for e in tier.take_events() if e.removed for k in e.keys]
         (skey,) = tier.object_keys([key(1)])
         assert tier.store.exists_many([skey]) == [1], "the object is still in the Store"
-        tier.submit_load(tier_job(3, [key(1)], [2], True, "c"))
-        tier.drain_jobs()
-        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert [r.success for r in run_job(tier, tier.submit_load, tier_job(3, [key(1)], [2], True, "c"))] == [True]
         assert (rows[2] == 7).all()
-    finally:
-        manager.shutdown()
 
 
 @pytest.mark.parametrize(
