@@ -315,11 +315,11 @@ extern "C" int kvtier_copy_pages(const kvtier_copy_desc* d, const int32_t* gpu_i
   return err;
 }
 
-extern "C" int kvtier_cuda_event_create(int device, void** event) {
+extern "C" int kvtier_cuda_event_create(int device, int timing, void** event) {
   int err = set_device(device);
   if (err != cudaSuccess) return err;
   cudaEvent_t ev = nullptr;
-  err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  err = cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming);
   *event = ev;
   return err;
 }
@@ -342,6 +342,10 @@ extern "C" int kvtier_cuda_event_synchronize(void* event) {
 }
 
 extern "C" int kvtier_cuda_event_destroy(void* event) { return cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+extern "C" int kvtier_cuda_event_elapsed_ms(void* start, void* end, float* ms) {
+  return cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end));
+}
 
 extern "C" int kvtier_cuda_stream_wait_event(void* stream, void* event) {
   return cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);

@@ -64,13 +64,16 @@ typedef struct {
 int kvtier_copy_pages(const kvtier_copy_desc* desc, const int32_t* gpu_ids, const int32_t* host_ids, size_t n,
                       void* stream);
 
-// Completion events (timing disabled). kvtier_cuda_event_query returns 0 when complete, 1 while pending, and a
-// CUDA error code otherwise; it never blocks.
-int kvtier_cuda_event_create(int device, void** event);
+// Events: completion events (timing 0: timing disabled) or timing ones (timing 1, for
+// kvtier_cuda_event_elapsed_ms). kvtier_cuda_event_query returns 0 when complete, 1 while pending, and a CUDA error
+// code otherwise; it never blocks.
+int kvtier_cuda_event_create(int device, int timing, void** event);
 int kvtier_cuda_event_record(void* event, void* stream);
 int kvtier_cuda_event_query(void* event);
 int kvtier_cuda_event_synchronize(void* event);
 int kvtier_cuda_event_destroy(void* event);
+// Milliseconds between two completed timing events.
+int kvtier_cuda_event_elapsed_ms(void* start, void* end, float* ms);
 // Make `stream` wait (on the GPU, not the host) for the work recorded before `event`.
 int kvtier_cuda_stream_wait_event(void* stream, void* event);
 

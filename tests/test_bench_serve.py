@@ -140,3 +140,45 @@ def test_a_repeated_turn_is_its_median_with_every_run_kept() -> None:
     assert out["tokens"] == [[[1]], [[2]], [[3]]]
     # The fewest hit tokens of any run: one run that missed is not hidden by the others.
     assert (out["prompt_tokens"], out["gpu_hit_tokens"], out["tier_hit_tokens"]) == (64, 16, 32)
+
+
+class _Result:
+    def __init__(self, job_id: int, size: int, seconds: float | None) -> None:
+        self.job_id, self.success, self.transfer_size, self.transfer_time = job_id, True, size, seconds
+
+
+class _Worker:
+    """An offloading worker as vLLM's connector calls it: jobs submitted, then reported by get_finished."""
+
+    def __init__(self) -> None:
+        self.done: list[_Result] = []
+
+    def submit_load(self, job_id: int, src: object, dst: object) -> bool:
+        self.done.append(_Result(job_id, 4 << 30, 0.08))
+        return True
+
+    def submit_store(self, job_id: int, src: object, dst: object) -> bool:
+        self.done.append(_Result(job_id, 1 << 30, 0.5))
+        return True
+
+    def get_finished(self) -> list[_Result]:
+        done, self.done = self.done, []
+        return done
+
+
+def test_loads_count_the_workers_load_jobs_alone_with_their_bytes_and_seconds() -> None:
+    worker = _Worker()
+    loads = serve.Loads(worker)
+    assert worker.submit_load(1, None, None) and worker.submit_store(2, None, None)
+    assert worker.submit_load(3, None, None)
+    assert [r.job_id for r in worker.get_finished()] == [1, 2, 3], "the connector still gets every result"
+    f = loads.figures()
+    assert (f["load_jobs"], f["load_bytes"]) == (2, 8 << 30) and f["load_s"] == pytest.approx(0.16)
+    assert f["load_gbs"] == pytest.approx((8 << 30) / 0.16 / 1e9)
+    loads.clear()
+    worker.done.append(_Result(4, 1 << 20, None))  # a job it did not submit as a load: not counted
+    worker.submit_load(5, None, None)
+    worker.done[-1].transfer_time = None  # an untimed load: no rate rather than a wrong one
+    worker.get_finished()
+    assert loads.figures() == {"load_jobs": 1, "load_bytes": 4 << 30, "load_s": None, "load_gbs": None}
+    assert serve.Loads(None).figures()["load_jobs"] == 0

@@ -220,6 +220,8 @@ def finish(worker: Any, job_ids: set[int]) -> None:
     results = {r.job_id: r for r in worker.get_finished()}
     assert set(results) == job_ids
     assert all(r.success for r in results.values())
+    # vLLM's transfer metrics record each job's bytes and seconds.
+    assert all(r.transfer_size > 0 and r.transfer_time is not None and r.transfer_time >= 0 for r in results.values())
 
 
 # ---- the factory and the settings -----------------------------------------------------------------------------

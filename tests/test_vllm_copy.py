@@ -60,12 +60,14 @@ def round_trip(device: str, tensors: list[torch.Tensor], bpc: int = 1, groups: i
     flat = lambda ids: [b for g in ids for b in g]  # noqa: E731
     copier.submit(1, True, flat(src), sizes, firsts, chunks)
     copier.wait([1])
-    assert copier.finished() == [(1, True, n * groups * sum(byte_rows(t, "t").shape[1] for t in tensors))]
+    [(job, ok, nbytes, seconds)] = copier.finished()
+    assert (job, ok, nbytes) == (1, True, n * groups * sum(byte_rows(t, "t").shape[1] for t in tensors))
+    assert seconds is not None and seconds >= 0  # how long the copies took (timing events on CUDA)
     for t in tensors:
         t.zero_()
     copier.submit(2, False, flat(dst), sizes, firsts, chunks, lane="expedited")
     copier.wait([2])
-    assert [job for job, ok, _ in copier.finished() if ok] == [2]
+    assert [job for job, ok, *_ in copier.finished() if ok] == [2]
     for g in range(groups):
         for t, want in zip(tensors, expected[g], strict=True):
             assert torch.equal(t[dst[g]], want), f"group {g}: loaded bytes differ"
@@ -142,7 +144,7 @@ def test_a_load_completes_while_a_store_waits_for_the_engines_stream() -> None:
     copier = ChunkCopier(tensors, [[0, 1]], num_chunks=8)
     copier.submit(1, True, [2], [1], [0], [1])
     copier.wait([1])
-    assert [job for job, ok, _ in copier.finished() if ok] == [1]
+    assert [job for job, ok, *_ in copier.finished() if ok] == [1]
     busy = torch.cuda.Stream()
     with torch.cuda.stream(busy):
         torch.cuda._sleep(400_000_000)  # the engine's work the store waits for (a fraction of a second)
@@ -150,10 +152,10 @@ def test_a_load_completes_while_a_store_waits_for_the_engines_stream() -> None:
     copier.submit(3, False, [5], [1], [0], [1])  # on the idle current stream
     done: list[int] = []
     while 3 not in done:
-        done += [job for job, ok, _ in copier.finished() if ok]
+        done += [job for job, ok, *_ in copier.finished() if ok]
     assert 2 not in done, "the load was reported only after the store"
     copier.wait([2])
-    done += [job for job, ok, _ in copier.finished() if ok]
+    done += [job for job, ok, *_ in copier.finished() if ok]
     assert sorted(done) == [2, 3]
     torch.cuda.synchronize()
     assert all(torch.equal(t[5], t[2]) for t in tensors)

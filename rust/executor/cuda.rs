@@ -41,7 +41,8 @@ mod ffi {
             n: usize,
             stream: *mut c_void,
         ) -> i32;
-        pub fn kvtier_cuda_event_create(device: i32, event: *mut *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_create(device: i32, timing: i32, event: *mut *mut c_void) -> i32;
+        pub fn kvtier_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f32) -> i32;
         pub fn kvtier_cuda_event_record(event: *mut c_void, stream: *mut c_void) -> i32;
         pub fn kvtier_cuda_event_query(event: *mut c_void) -> i32;
         pub fn kvtier_cuda_event_synchronize(event: *mut c_void) -> i32;
@@ -406,7 +407,8 @@ impl Drop for Stream {
     }
 }
 
-/// A CUDA event without timing, destroyed on drop. (Without CUDA compiled in none is ever made.)
+/// A CUDA event (a completion event without timing, or a timing one), destroyed on drop. (Without CUDA compiled in
+/// none is ever made.)
 #[derive(Debug)]
 pub struct Event(#[cfg_attr(not(kvtier_cuda), allow(dead_code))] *mut c_void);
 
@@ -416,17 +418,43 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
+    /// A completion event (timing disabled: the cheapest to record and query).
     pub fn new(device: i32) -> Result<Self> {
+        Self::create(device, false)
+    }
+
+    /// A timing event, for `elapsed_s`.
+    pub fn timing(device: i32) -> Result<Self> {
+        Self::create(device, true)
+    }
+
+    fn create(device: i32, timing: bool) -> Result<Self> {
         #[cfg(kvtier_cuda)]
         {
             let mut ev = std::ptr::null_mut();
             // SAFETY: `ev` is a valid out-pointer.
-            check(unsafe { ffi::kvtier_cuda_event_create(device, &mut ev) }, "cudaEventCreate")?;
+            check(unsafe { ffi::kvtier_cuda_event_create(device, i32::from(timing), &mut ev) }, "cudaEventCreate")?;
             Ok(Self(ev))
         }
         #[cfg(not(kvtier_cuda))]
         {
-            let _ = device;
+            let _ = (device, timing);
+            not_compiled()
+        }
+    }
+
+    /// Seconds from this timing event to `end`, both recorded and complete.
+    pub fn elapsed_s(&self, end: &Event) -> Result<f64> {
+        #[cfg(kvtier_cuda)]
+        {
+            let mut ms = 0f32;
+            // SAFETY: both events are live; `ms` is a valid out-pointer.
+            check(unsafe { ffi::kvtier_cuda_event_elapsed_ms(self.0, end.0, &mut ms) }, "cudaEventElapsedTime")?;
+            Ok(f64::from(ms) / 1e3)
+        }
+        #[cfg(not(kvtier_cuda))]
+        {
+            let _ = end;
             not_compiled()
         }
     }

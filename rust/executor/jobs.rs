@@ -7,9 +7,11 @@
 //!
 //! Every piece is checked before anything is copied (the caller's error); a copy that fails afterwards (a CUDA
 //! error) fails the job, reported by `finished` once the copies launched before it are done: a failed load's
-//! blocks are not written after the engine is told.
+//! blocks are not written after the engine is told. A completed job says how long its copies took (timing events
+//! around them on their stream; the host's clock for CPU copies), what vLLM's transfer metrics record.
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
+use std::time::Instant;
 
 use crate::error::{invalid, Error, Result};
 use crate::executor::copy::{CompletionQueue, Direction, PageCopier};
@@ -49,8 +51,30 @@ pub struct Piece<'a> {
     pub layers: Option<Range<usize>>,
 }
 
-/// A completed job: its id, whether every copy succeeded, and the bytes it moved (0 when it failed).
-pub type Finished = (u64, bool, u64);
+/// A completed job: its id, whether every copy succeeded, the bytes it moved (0 when it failed) and the seconds its
+/// copies took, from their start on their stream (after the engine's work and the lane's earlier jobs) to their end
+/// (None when the job failed or could not be timed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finished {
+    pub job: u64,
+    pub ok: bool,
+    pub bytes: u64,
+    pub seconds: Option<f64>,
+}
+
+/// How a job in flight is timed.
+enum Clock {
+    /// CPU copies, complete when `submit` returned: their seconds.
+    Host(f64),
+    /// Timing events recorded on the job's stream before and after its copies.
+    Device(Event, Event),
+    Off,
+}
+
+struct Running {
+    bytes: u64,
+    clock: Clock,
+}
 
 struct LaneQueue {
     stream: Option<Stream>,
@@ -59,11 +83,15 @@ struct LaneQueue {
 
 pub struct Jobs {
     copiers: Vec<PageCopier>,
+    /// The copiers' CUDA device (None: CPU pools).
+    device: Option<i32>,
     lanes: Vec<LaneQueue>,
     /// Recorded on the engine's stream and waited for by a lane's stream before a job (with copy streams).
     order: Option<Event>,
-    /// Jobs in flight: their bytes.
-    running: HashMap<u64, u64>,
+    /// Jobs in flight: their bytes and clocks.
+    running: HashMap<u64, Running>,
+    /// Timing events not in use.
+    timers: Vec<Event>,
     failed: HashSet<u64>,
     done: Vec<Finished>,
 }
@@ -91,7 +119,16 @@ impl Jobs {
             Some(d) if streams => Some(Event::new(d)?),
             _ => None,
         };
-        Ok(Self { copiers, lanes, order, running: HashMap::new(), failed: HashSet::new(), done: Vec::new() })
+        Ok(Self {
+            copiers,
+            device,
+            lanes,
+            order,
+            running: HashMap::new(),
+            timers: Vec::new(),
+            failed: HashSet::new(),
+            done: Vec::new(),
+        })
     }
 
     /// Whether jobs run on kvtier's own copy streams (else on the engine's).
@@ -148,11 +185,22 @@ impl Jobs {
             Some(order) => order.record(engine_stream).and_then(|()| order.wait_in(stream)).err(),
             None => None,
         };
+        let mut clock = Clock::Off;
         if failure.is_none() {
+            let start = self.timer(stream);
+            let t0 = Instant::now();
             for (p, layers) in pieces.iter().zip(ranges) {
                 if let Err(e) = self.copiers[p.copier].launch(dir, p.gpu_ids, p.host_slots, stream, layers) {
                     failure = Some(e);
                     break;
+                }
+            }
+            if self.device.is_none() {
+                clock = Clock::Host(t0.elapsed().as_secs_f64());
+            } else if let Some(start) = start {
+                match self.timer(stream) {
+                    Some(end) => clock = Clock::Device(start, end),
+                    None => self.timers.push(start),
                 }
             }
         }
@@ -162,14 +210,29 @@ impl Jobs {
             if let Ok(done) = self.lanes[lane].queue.wait_all() {
                 self.settle(done);
             }
-            self.done.push((job, false, 0));
+            self.done.push(Finished { job, ok: false, bytes: 0, seconds: None });
             return Ok(Some(failure.unwrap_or(e)));
         }
         if failure.is_some() {
             self.failed.insert(job);
         }
-        self.running.insert(job, bytes);
+        self.running.insert(job, Running { bytes, clock });
         Ok(failure)
+    }
+
+    /// A timing event recorded on `stream` (None on the CPU, or when CUDA refuses one: the job goes untimed).
+    fn timer(&mut self, stream: u64) -> Option<Event> {
+        let ev = match self.timers.pop() {
+            Some(ev) => ev,
+            None => Event::timing(self.device?).ok()?,
+        };
+        match ev.record(stream) {
+            Ok(()) => Some(ev),
+            Err(_) => {
+                self.timers.push(ev);
+                None
+            }
+        }
     }
 
     /// The jobs completed since the last call (and those `wait` waited for), each lane's in submission order.
@@ -208,9 +271,18 @@ impl Jobs {
 
     fn settle(&mut self, jobs: Vec<u64>) {
         for job in jobs {
-            let bytes = self.running.remove(&job).unwrap_or(0);
+            let Running { bytes, clock } = self.running.remove(&job).unwrap_or(Running { bytes: 0, clock: Clock::Off });
+            let seconds = match clock {
+                Clock::Host(s) => Some(s),
+                Clock::Device(start, end) => {
+                    let s = start.elapsed_s(&end).ok();
+                    self.timers.extend([start, end]);
+                    s
+                }
+                Clock::Off => None,
+            };
             let ok = !self.failed.remove(&job);
-            self.done.push((job, ok, if ok { bytes } else { 0 }));
+            self.done.push(Finished { job, ok, bytes: if ok { bytes } else { 0 }, seconds: seconds.filter(|_| ok) });
         }
     }
 }
@@ -269,7 +341,11 @@ mod tests {
         assert_eq!(h0.read(1).unwrap(), [vec![5u8; 32], vec![21; 32]].concat());
         assert_eq!(h1.read(2).unwrap(), vec![7u8; 64]);
         assert_eq!(h0.read(3).unwrap()[32..], vec![22u8; 32]);
-        assert_eq!(jobs.finished().unwrap(), vec![(9, true, 2 * 64 + 64 + 32)]);
+        let done = jobs.finished().unwrap();
+        assert_eq!(done.len(), 1);
+        let Finished { job, ok, bytes, seconds } = done[0];
+        assert_eq!((job, ok, bytes), (9, true, 2 * 64 + 64 + 32));
+        assert!(seconds.is_some_and(|s| s >= 0.0), "{seconds:?}");
         assert_eq!(jobs.finished().unwrap(), vec![]);
         assert_eq!(jobs.pending(), 0);
     }
@@ -315,8 +391,8 @@ mod tests {
             .to_string()
             .contains("job 2 is in flight"));
         jobs.wait(&[2]).unwrap();
-        let mut done = jobs.finished().unwrap();
-        done.sort();
+        let mut done: Vec<_> = jobs.finished().unwrap().iter().map(|f| (f.job, f.ok, f.bytes)).collect();
+        done.sort_unstable();
         assert_eq!(done, vec![(1, true, 32), (2, true, 32)]);
         assert_eq!(jobs.lane_stream(Lane::Load), None);
     }

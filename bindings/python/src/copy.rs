@@ -424,6 +424,8 @@ impl PyCopyEvent {
 
 /// A job's pieces as Python passes them: (copier, gpu_ids, host_slots, layers or None).
 type PyPiece<'py> = (usize, Bound<'py, PyAny>, Bound<'py, PyAny>, Option<(i64, i64)>);
+/// A completed job as Python sees it: (job, success, bytes, seconds or None).
+type FinishedJob = (u64, bool, u64, Option<f64>);
 
 /// Copy jobs over page copiers (one device) on three lanes: stores, loads, expedited loads
 /// (rust/executor/jobs.rs). Each `submit` checks every piece before copying; a CUDA failure fails the job, which
@@ -485,9 +487,11 @@ impl PyJobCopier {
         Ok(failed.map(|e| e.to_string()))
     }
 
-    /// (job, success, bytes) of the jobs completed since the last call, each lane's in submission order.
-    fn finished(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64)>> {
-        py.detach(|| lock(&self.inner).finished()).map_err(to_py)
+    /// (job, success, bytes, seconds) of the jobs completed since the last call, each lane's in submission order;
+    /// seconds: how long the job's copies took (None when it failed or could not be timed).
+    fn finished(&self, py: Python<'_>) -> PyResult<Vec<FinishedJob>> {
+        let done = py.detach(|| lock(&self.inner).finished()).map_err(to_py)?;
+        Ok(done.into_iter().map(|f| (f.job, f.ok, f.bytes, f.seconds)).collect())
     }
 
     /// Returns once the given jobs (those in flight) completed; their results stay for `finished`.

@@ -219,8 +219,9 @@ class ChunkCopier:
         if failure is not None:
             log.error("kvtier: %s of job %d failed: %s", "store" if to_host else "load", job_id, failure)
 
-    def finished(self) -> list[tuple[int, bool, int]]:
-        """(job id, success, bytes) of the jobs completed since the last call."""
+    def finished(self) -> list[tuple[int, bool, int, float | None]]:
+        """(job id, success, bytes, seconds) of the jobs completed since the last call; seconds: how long the job's
+        copies took on their stream (None when it failed)."""
         return self._jobs.finished()
 
     def wait(self, job_ids: Iterable[int]) -> None:

@@ -105,10 +105,11 @@ SETTING_KEYS = scope_names(VLLM)
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 # Index.key_state's answers for a key with no page on the host and one whose page is ready.
 _ABSENT, _READY = 0, 2
-# The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. vLLM's KV tensors are a
-# tensor a layer, so a block's page is one piece a layer (64 KiB for an 8B model): under vLLM 0.25.1 on an H100, the
-# copy kernel loaded 8 GiB of them in turn 2 at memcpy speed where the copy engine's batches took 1.6-2x as long, and
-# the stores of a no-reuse run cost 2.2% of its throughput against 6.8% (docs/VLLM.md, "Serving a model").
+# The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. Under vLLM 0.25.1 on an H100
+# (8B shape; vLLM lays the KV cache out across layers for the offloading connector, a block's 32 layers in one
+# 2 MiB page), turn 2 with the copy engine's loads took as long as the kernel's at 4K-token prefixes and 1.2-1.3x as
+# long at 16K and 32K, and copy-engine stores cost a no-reuse run 7-10% of its throughput against 1.6-2% for the
+# kernel's (docs/VLLM.md, "Serving a model").
 WORKER_COPY_METHOD = "kernel"
 # The worker's kernel grid bound for stores unless set otherwise: stores run beside the model's GEMMs, and each CTA
 # they hold is an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took
@@ -439,8 +440,8 @@ class KvtierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         return [
-            TransferResult(job_id=job_id, success=ok, transfer_size=nbytes)
-            for job_id, ok, nbytes in self.copier.finished()
+            TransferResult(job_id=job_id, success=ok, transfer_size=nbytes, transfer_time=seconds)
+            for job_id, ok, nbytes, seconds in self.copier.finished()
         ]
 
     def wait(self, job_ids: set[int]) -> None:

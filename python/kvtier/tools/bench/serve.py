@@ -10,7 +10,9 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   new tokens) is served by the offloading tier or recomputed. The no-offloading process also times turn 2 without
   the reset (a GPU prefix-cache hit) and measures pinned host -> device memcpy: the floor of a host hit is the GPU
   hit plus the prefix bytes at memcpy speed. Turn 2 and the GPU hit run `--repeats` times (other new tokens each
-  time, the GPU's prefix cache reset before each turn 2); their medians are reported.
+  time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
+  tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
+  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -167,14 +169,72 @@ def engine_kwargs(config: str, args: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def offloading_worker() -> Any | None:
+    """vLLM's offloading worker in this process (its offloading spec's ``OffloadingWorker``), or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    return getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
+
+
+class Loads:
+    """An offloading worker's loads (vLLM runs its worker in this process): the jobs ``submit_load`` started, and
+    the bytes and seconds the worker reported for them (vLLM's ``TransferResult``: what its transfer metrics record;
+    native's and kvtier's workers both time their copies on the GPU). No worker: nothing is counted."""
+
+    def __init__(self, worker: Any | None) -> None:
+        self.ids: set[int] = set()
+        self.clear()
+        if worker is None:
+            return
+        submit_load, get_finished = worker.submit_load, worker.get_finished
+
+        def watched_submit(job_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.ids.add(job_id)
+            return submit_load(job_id, *args, **kwargs)
+
+        def watched_finished() -> Any:
+            results = get_finished()
+            for r in results:
+                if r.job_id in self.ids:
+                    self.ids.discard(r.job_id)
+                    self.jobs += 1
+                    self.bytes += int(r.transfer_size or 0)
+                    if r.transfer_time is not None:
+                        self.seconds += float(r.transfer_time)
+                        self.timed += 1
+            return results
+
+        worker.submit_load = watched_submit
+        worker.get_finished = watched_finished
+
+    def clear(self) -> None:
+        self.jobs = self.timed = self.bytes = 0
+        self.seconds = 0.0
+
+    def figures(self) -> dict[str, Any]:
+        """Load jobs completed since the last clear, their bytes, the sum of their copies' seconds (None unless
+        every job was timed) and bytes over that sum (GB/s)."""
+        seconds = self.seconds if self.jobs and self.timed == self.jobs else None
+        return {
+            "load_jobs": self.jobs,
+            "load_bytes": self.bytes,
+            "load_s": seconds,
+            "load_gbs": self.bytes / seconds / 1e9 if seconds else None,
+        }
+
+
 class Hits:
     """Runs prompts and counts the prompt tokens each call found cached: in all (vLLM's ``num_cached_tokens`` of
     each request) and from the offloading tier (what the connector's ``get_num_new_matched_tokens`` gave vLLM's
-    scheduler, watched in this process); the rest came from vLLM's GPU prefix cache."""
+    scheduler, watched in this process); the rest came from vLLM's GPU prefix cache. With an offloading tier, also
+    the bytes and seconds of its loads (``Loads``)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.external: dict[str, int] = {}
+        self.loads = Loads(offloading_worker())
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         connector = getattr(getattr(core, "scheduler", None), "connector", None)
         # The offloading manager (scheduler side), to wait for its work after a turn (drain).
@@ -197,6 +257,7 @@ class Hits:
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         self.external.clear()
+        self.loads.clear()
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -208,6 +269,7 @@ class Hits:
             "prompt_tokens": sum(map(len, prompts)),
             "gpu_hit_tokens": cached - tier,
             "tier_hit_tokens": tier,
+            **self.loads.figures(),
         }
 
 
@@ -242,8 +304,9 @@ def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
 
 
 def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs of one timed turn as one: the median seconds (``s``), each run's seconds and token ids, and the fewest
-    tokens any run took from the GPU and from the offloading tier."""
+    """Runs of one timed turn as one: the median seconds (``s``), each run's seconds and token ids, the fewest
+    tokens any run took from the GPU and from the offloading tier, and the median rate of the tier's loads."""
+    rates = [r["load_gbs"] for r in runs if r.get("load_gbs")]
     return {
         "s": statistics.median(r["s"] for r in runs),
         "runs_s": [r["s"] for r in runs],
@@ -251,6 +314,8 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "prompt_tokens": runs[0]["prompt_tokens"],
         "gpu_hit_tokens": min(r["gpu_hit_tokens"] for r in runs),
         "tier_hit_tokens": min(r["tier_hit_tokens"] for r in runs),
+        "load_gbs": statistics.median(rates) if len(rates) == len(runs) else None,
+        "runs_load_gbs": [r.get("load_gbs") for r in runs],
     }
 
 
@@ -438,6 +503,7 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "turn2_s": p["turn2"]["s"],
                     "over_floor": p["turn2"]["s"] / floor,
                     "tier_hit_tokens": p["turn2"]["tier_hit_tokens"],
+                    "load_gbs": p["turn2"].get("load_gbs"),
                 }
         rows.append(row)
     return rows
@@ -457,6 +523,11 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
                 v = row[c]
                 line += f" {v['turn2_s']:>8.3f} ({v['over_floor']:.2f}x fl)"
         print(line)
+    for row in rows:
+        rates = [f"{c} {row[c]['load_gbs']:.1f}" for c in configs if c != "none" and row[c].get("load_gbs")]
+        if rates:
+            print(f"  {row['length']} x {row['prompts']}: turn-2 loads, GB/s in their copies (the worker's timing, "
+                  f"medians): {', '.join(rates)}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
