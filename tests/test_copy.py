@@ -252,6 +252,10 @@ def test_bad_grid_rejected() -> None:
         PageCopier(pool, host, store_ctas=0)
     with pytest.raises(ValueError, match="store_method must be one of .*'fast'"):
         PageCopier(pool, host, store_method="fast")
+    with pytest.raises(ValueError, match="piece_bytes must be at least 1"):
+        PageCopier(pool, host, piece_bytes=0)
+    with pytest.raises(ValueError, match="piece_bytes must be >= 0, got -1"):
+        PageCopier(pool, host, piece_bytes=-1)
 
 
 def test_stores_take_the_loads_grid_and_method_unless_set_apart() -> None:
@@ -261,6 +265,8 @@ def test_stores_take_the_loads_grid_and_method_unless_set_apart() -> None:
     assert (same.store_ctas, same.store_method) == (3, "kernel")
     apart = PageCopier(pool, host, ctas=3, method="kernel", store_ctas=1, store_method="dma")
     assert (apart.ctas, apart.method, apart.store_ctas, apart.store_method) == (3, "kernel", 1, "dma")
+    # The copy engine's copies are unbounded unless piece_bytes bounds them.
+    assert same.piece_bytes is None and PageCopier(pool, host, piece_bytes=2 << 20).piece_bytes == 2 << 20
 
 
 def test_cpu_completion_queue_completes_at_once() -> None:

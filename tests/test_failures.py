@@ -310,6 +310,7 @@ def test_every_setting_is_the_caches_and_the_adapters_take_theirs() -> None:
         "pin_method",
         "copy_method",
         "copy_crossover_bytes",
+        "copy_piece_bytes",
         "copy_ctas",
         "store_copy_method",
         "store_copy_ctas",

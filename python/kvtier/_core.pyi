@@ -440,6 +440,7 @@ class PageCopier:
         crossover_bytes: int | None = None,
         store_ctas: int | None = None,
         store_method: str | None = None,
+        piece_bytes: int | None = None,
     ) -> Self: ...
     def to_host(
         self, gpu_ids: _Int32Ids, host_slots: _Int32Ids, stream: int = 0, layers: tuple[int, int] | None = None
@@ -459,6 +460,8 @@ class PageCopier:
     def store_method(self) -> str: ...
     @property
     def crossover_bytes(self) -> int: ...
+    @property
+    def piece_bytes(self) -> int | None: ...
     @property
     def dma_available(self) -> bool: ...
     @property

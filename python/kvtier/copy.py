@@ -128,6 +128,7 @@ def copy_options(settings: Any) -> dict[str, Any]:
         "crossover_bytes": settings.copy_crossover_bytes,
         "store_ctas": settings.store_copy_ctas,
         "store_method": settings.store_copy_method,
+        "piece_bytes": settings.copy_piece_bytes,
     }
 
 
@@ -166,11 +167,13 @@ class PageCopier:
     ``ctas`` bounds the kernel's grid of CUDA thread blocks (default 8, see docs/PERFORMANCE.md) so copies leave
     the SMs to the model; ``threads`` is the CTA size (default 512). ``method`` is "auto" (default), "kernel" or
     "dma". ``store_ctas`` and ``store_method`` (default: ``ctas`` and ``method``) are those of stores (GPU -> host)
-    when they differ from loads': stores run beside the model, loads on a request's critical path. The copy engine
-    is never used on the legacy default stream, which it refuses, nor where the driver lacks
-    ``cudaMemcpyBatchAsync`` (``dma_available``): the kernel copies instead. The copier holds references to the pool
-    tensors and the host pool, so their memory lives as long as it does; the caller keeps it (or them) alive until
-    its last copy completes.
+    when they differ from loads': stores run beside the model, loads on a request's critical path. ``piece_bytes``
+    bounds one copy-engine copy (segments contiguous on both sides merge into one piece up to it; a 2D copy takes
+    as many rows as fit; a segment is never cut; default: no bound): shorter copies let the engine's own copies on
+    the copy engines through sooner. The copy engine is never used on the legacy default stream, which it refuses,
+    nor where the driver lacks ``cudaMemcpyBatchAsync`` (``dma_available``): the kernel copies instead. The copier
+    holds references to the pool tensors and the host pool, so their memory lives as long as it does; the caller
+    keeps it (or them) alive until its last copy completes.
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class PageCopier:
         crossover_bytes: int | None = None,
         store_ctas: int | None = None,
         store_method: str | None = None,
+        piece_bytes: int | None = None,
     ) -> None:
         import torch
 
@@ -226,6 +230,7 @@ class PageCopier:
             crossover_bytes=crossover_bytes,
             store_ctas=store_ctas,
             store_method=store_method,
+            piece_bytes=piece_bytes,
         )
 
     @property
@@ -269,6 +274,10 @@ class PageCopier:
     @property
     def crossover_bytes(self) -> int:
         return self._core.crossover_bytes
+
+    @property
+    def piece_bytes(self) -> int | None:
+        return self._core.piece_bytes
 
     @property
     def dma_available(self) -> bool:

@@ -351,6 +351,15 @@ REGISTRY: tuple[Setting, ...] = (
         scopes=_WITH_VLLM,
     ),
     S(
+        "copy_piece_bytes",
+        BYTES,
+        None,
+        "the most bytes one copy-engine copy takes (contiguous blocks merge up to it; unset: no bound); shorter "
+        "copies let the engine's own copies on the copy engines through sooner",
+        minimum=1,
+        scopes=_WITH_VLLM,
+    ),
+    S(
         "copy_ctas",
         INT,
         8,

@@ -147,6 +147,10 @@ pub struct CopyOptions {
     pub store_ctas: u32,
     pub store_method: Method,
     pub crossover_bytes: u64,
+    /// The most bytes one copy-engine copy takes: segments contiguous on both sides merge into one piece up to it,
+    /// and a 2D copy takes as many rows as fit in it (one at least; a segment is never cut for it). Shorter copies
+    /// let other copies on the copy engines (the engine's own) through sooner. `u64::MAX`: no bound.
+    pub piece_bytes: u64,
     pub debug_sync: bool,
 }
 
@@ -169,6 +173,7 @@ impl Default for CopyOptions {
             store_ctas: DEFAULT_CTAS,
             store_method: Method::Auto,
             crossover_bytes: DEFAULT_CROSSOVER_BYTES,
+            piece_bytes: u64::MAX,
             debug_sync: false,
         }
     }
@@ -265,7 +270,7 @@ impl PageCopier {
     /// Every layer range `base .. base + (num_blocks - 1) * stride + segment_bytes` must stay valid memory of
     /// `pool.device` (host memory when None) for the copier's life and until its last copy completes.
     pub unsafe fn new(pool: GpuPool, host: Arc<HostPool>, opts: CopyOptions) -> Result<Self> {
-        let CopyOptions { ctas, store_ctas, threads, .. } = opts;
+        let CopyOptions { ctas, store_ctas, threads, piece_bytes, .. } = opts;
         let n = pool.layers.len();
         if n == 0 || n > cuda::MAX_LAYERS {
             return Err(invalid(format!("a GPU pool has 1 to {} layer tensors, got {n}", cuda::MAX_LAYERS)));
@@ -305,6 +310,9 @@ impl PageCopier {
         }
         if threads == 0 || threads > 1024 || threads % 32 != 0 {
             return Err(invalid(format!("threads must be a multiple of 32 from 32 to 1024, got {threads}")));
+        }
+        if piece_bytes == 0 {
+            return Err(invalid("piece_bytes must be at least 1"));
         }
         if pool.device.is_some() {
             if !cuda::COMPILED {
@@ -484,7 +492,7 @@ impl PageCopier {
                 cuda::memcpy_2d_batch(device, &ops, dir == Direction::ToHost, stream, self.opts.debug_sync)
             };
         }
-        let Pieces { dev, host, size } = self.dma_pieces(gpu_ids, host_slots, layers);
+        let Pieces { dev, host, size, .. } = self.dma_pieces(gpu_ids, host_slots, layers);
         let (srcs, dsts) = match dir {
             Direction::ToHost => (dev, host),
             Direction::ToGpu => (host, dev),
@@ -516,7 +524,8 @@ impl PageCopier {
         }
     }
 
-    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides, layer by layer. A host pool
+    /// The copy engine's pieces of a batch: runs of segments contiguous on both sides (up to `piece_bytes`), layer by
+    /// layer. A host pool
     /// registered with CUDA one pin step at a time cannot take a copy-engine piece across two registrations: pieces
     /// are cut at the pool's `copy_span_bytes` (the driver's memory is one span; the kernel, which reads 16 bytes
     /// at a time, is never cut).
@@ -526,8 +535,12 @@ impl PageCopier {
         let slot_bytes = self.host.slot_bytes();
         let step = self.host.copy_span_bytes();
         let cap = gpu_ids.len() * layers.len();
-        let mut pieces =
-            Pieces { dev: Vec::with_capacity(cap), host: Vec::with_capacity(cap), size: Vec::with_capacity(cap) };
+        let mut pieces = Pieces {
+            dev: Vec::with_capacity(cap),
+            host: Vec::with_capacity(cap),
+            size: Vec::with_capacity(cap),
+            max: self.opts.piece_bytes,
+        };
         for l in layers {
             let layer = self.pool.layers[l];
             for (&g, &h) in gpu_ids.iter().zip(host_slots) {
@@ -557,7 +570,7 @@ impl PageCopier {
                     let layer = self.pool.layers[l];
                     let dev = layer.base + g as u64 * layer.stride;
                     let off = h as u64 * slot_bytes + l as u64 * seg;
-                    let rows = rows_in_step(off, seg, seg, step).min((end - l) as u64);
+                    let rows = rows_in_step(off, seg, seg, step).min((end - l) as u64).min(self.max_rows());
                     if rows > 0 {
                         ops.push(Copy2d {
                             dev,
@@ -601,7 +614,7 @@ impl PageCopier {
                 while i < run.end {
                     let dev = layer.base + gpu_ids[i] as u64 * layer.stride;
                     let off = host_slots[i] as u64 * slot_bytes + l as u64 * seg;
-                    let rows = rows_in_step(off, seg, slot_bytes, step).min((run.end - i) as u64);
+                    let rows = rows_in_step(off, seg, slot_bytes, step).min((run.end - i) as u64).min(self.max_rows());
                     if rows == 0 {
                         step_row(&mut ops, dev, host_base, off, seg, step);
                         i += 1;
@@ -620,6 +633,11 @@ impl PageCopier {
             }
         }
         ops
+    }
+
+    /// The most rows of segments one 2D copy takes (`piece_bytes`, one row at least).
+    fn max_rows(&self) -> u64 {
+        (self.opts.piece_bytes / self.pool.segment_bytes).max(1)
     }
 
     /// Checks a batch before anything is copied: equal lengths, every id inside its pool (host slots below the
@@ -704,11 +722,13 @@ fn step_cuts(off: u64, len: u64, step: u64) -> impl Iterator<Item = (u64, u64)> 
     })
 }
 
-/// Copy-engine pieces, merged while contiguous on both sides and inside one copy span of the host pool.
+/// Copy-engine pieces, merged while contiguous on both sides, inside one copy span of the host pool and up to `max`
+/// bytes.
 struct Pieces {
     dev: Vec<u64>,
     host: Vec<u64>,
     size: Vec<usize>,
+    max: u64,
 }
 
 impl Pieces {
@@ -716,7 +736,7 @@ impl Pieces {
     fn push(&mut self, dev: u64, host: u64, len: u64, joins: bool) {
         if joins {
             if let (Some(&d), Some(&h), Some(last)) = (self.dev.last(), self.host.last(), self.size.last_mut()) {
-                if d + *last as u64 == dev && h + *last as u64 == host {
+                if d + *last as u64 == dev && h + *last as u64 == host && *last as u64 + len <= self.max {
                     *last += len as usize;
                     return;
                 }
@@ -905,6 +925,60 @@ mod tests {
         let p = c.dma_pieces(&[0, 5, 9], &[0, 1, 2], 0..1);
         assert_eq!(p.size, vec![1536, 1536, 1024, 512]);
         assert_eq!(p.dev, vec![base, base + 5 * 1536, base + 9 * 1536, base + 9 * 1536 + 1024]);
+        drop(mem);
+    }
+
+    #[test]
+    fn copy_engine_copies_stop_at_piece_bytes_but_never_cut_a_segment() {
+        // One layer of 1536-byte pages, contiguous on both sides, in one pin step: unbounded, one piece.
+        let mut mem = vec![0u8; 1536 * 16 + 16];
+        let base = (mem.as_mut_ptr() as u64).next_multiple_of(16);
+        let host = Arc::new(HostPool::new(16, 1536, 1 << 20, Some(false), PinMethod::Auto).unwrap());
+        host.grow_to(16).unwrap();
+        let copier = |piece_bytes| {
+            let pool = GpuPool {
+                layers: vec![Layer { base, stride: 1536 }],
+                num_blocks: 16,
+                segment_bytes: 1536,
+                device: None,
+            };
+            // SAFETY: `mem` outlives the copiers, which copy nothing here.
+            unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions { piece_bytes, ..Default::default() }) }
+        };
+        let ids: Vec<i32> = (0..7).collect();
+        assert_eq!(copier(u64::MAX).unwrap().dma_pieces(&ids, &ids, 0..1).size, vec![7 * 1536]);
+        // Up to 3072 bytes: two pages a piece, the seventh alone.
+        let p = copier(3072).unwrap().dma_pieces(&ids, &ids, 0..1);
+        assert_eq!(p.size, vec![3072, 3072, 3072, 1536]);
+        assert_eq!(p.dev, vec![base, base + 3072, base + 6144, base + 9216]);
+        // A bound below a segment: a page a piece, none cut.
+        assert_eq!(copier(1000).unwrap().dma_pieces(&ids, &ids, 0..1).size, vec![1536; 7]);
+        assert!(copier(0).map(|_| ()).unwrap_err().to_string().contains("piece_bytes must be at least 1"));
+        // 2D copies take as many rows as fit (one at least), in a host pool of one pin step: a run of three blocks
+        // of a layer, or a page's three evenly spaced layers, is one copy unbounded, copies of 2 and 1 rows at 3072.
+        let layers = vec![
+            Layer { base: 0x10000, stride: 1536 },
+            Layer { base: 0x20000, stride: 1536 },
+            Layer { base: 0x30000, stride: 1536 },
+        ];
+        let host = Arc::new(HostPool::new(8, 3 * 1536, 1 << 20, Some(false), PinMethod::Auto).unwrap());
+        host.grow_to(8).unwrap();
+        let two_d = |piece_bytes| {
+            let pool = GpuPool { layers: layers.clone(), num_blocks: 16, segment_bytes: 1536, device: None };
+            // SAFETY: no copy is made.
+            let c =
+                unsafe { PageCopier::new(pool, Arc::clone(&host), CopyOptions { piece_bytes, ..Default::default() }) };
+            let c = c.unwrap();
+            let (ids, slots) = ([3, 4, 5], [0, 1, 2]);
+            let heights = |ops: Vec<Copy2d>| ops.iter().map(|o| o.height).collect::<Vec<_>>();
+            (
+                heights(c.dma_block_ops(&ids, &slots, &block_runs(&ids, &slots), 0..1)),
+                heights(c.dma_ops(&ids[..1], &slots[..1], 0..3)),
+            )
+        };
+        assert_eq!(two_d(u64::MAX), (vec![3], vec![3]));
+        assert_eq!(two_d(3072), (vec![2, 1], vec![2, 1]));
+        assert_eq!(two_d(100), (vec![1, 1, 1], vec![1, 1, 1]));
         drop(mem);
     }
 

@@ -157,7 +157,7 @@ impl PyPageCopier {
     #[new]
     #[pyo3(signature = (
         layers, host, *, ctas = None, threads = None, method = "auto", crossover_bytes = None, store_ctas = None,
-        store_method = None
+        store_method = None, piece_bytes = None
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one a copy option
     fn new(
@@ -169,6 +169,7 @@ impl PyPageCopier {
         crossover_bytes: Option<i64>,
         store_ctas: Option<i64>,
         store_method: Option<&str>,
+        piece_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let (tensors, owners): (Vec<_>, Vec<_>) = layers
             .iter()
@@ -188,6 +189,7 @@ impl PyPageCopier {
             store_method: store_method.map_or(Ok(method), Method::parse).map_err(to_py)?,
             crossover_bytes: crossover_bytes
                 .map_or(Ok(copy::DEFAULT_CROSSOVER_BYTES), |c| non_negative("crossover_bytes", c))?,
+            piece_bytes: piece_bytes.map_or(Ok(u64::MAX), |b| non_negative("piece_bytes", b))?,
             debug_sync: std::env::var("KVTIER_DEBUG_SYNC").is_ok_and(|v| v == "1"),
         };
         // SAFETY: each layer's memory is the DLPack tensor it was read from, of `num_blocks` rows of `stride` bytes
@@ -253,6 +255,12 @@ impl PyPageCopier {
     #[getter]
     fn crossover_bytes(&self) -> u64 {
         self.inner.options().crossover_bytes
+    }
+
+    /// The most bytes one copy-engine copy takes (None: no bound).
+    #[getter]
+    fn piece_bytes(&self) -> Option<u64> {
+        Some(self.inner.options().piece_bytes).filter(|&b| b != u64::MAX)
     }
 
     #[getter]

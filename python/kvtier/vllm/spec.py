@@ -24,9 +24,9 @@ connector passes between them, the vLLM chunk ids in the load/store specs. So:
   complete at once.
 
 The extra config (or the ``KVTIER_*`` variables) may give the kvtier settings of scope ``vllm`` in
-``kvtier.settings``: ``host_bytes``, ``eviction_policy``, ``event_buffer``, ``copy_method``, ``copy_crossover_bytes``,
-``copy_ctas``, ``copy_streams``. Any bad value raises ``kvtier.BadArgument`` (a ``ValueError``) naming it when vLLM
-builds the spec.
+``kvtier.settings`` (``SETTING_KEYS``): ``host_bytes``, ``eviction_policy``, ``event_buffer``, the copy settings
+(``copy_*``, ``store_copy_*``, ``copy_streams``) and the pin settings (``pin_step_bytes``, ``pin_method``). Any bad
+value raises ``kvtier.BadArgument`` (a ``ValueError``) naming it when vLLM builds the spec.
 
 Supported vLLM: ``SUPPORTED_VLLM``, 0.25.1 through 0.34. What differs between those releases (the spec's
 constructor, event fields, metrics, ``touch``, 0.34's device pointers for the GPU side) is named in one module,
