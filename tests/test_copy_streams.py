@@ -316,6 +316,37 @@ def test_stores_and_loads_take_their_own_method_and_bytes_are_exact() -> None:
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("layers,alloc", [(1, ""), (4, "one"), (4, "")])  # 1D runs; 2D page rows; 2D block rows
+def test_copy_engine_copies_bounded_by_piece_bytes_are_exact(layers: int, alloc: str) -> None:
+    """Runs of consecutive blocks and slots the copy engine would take as one copy, cut into copies of at most
+    piece_bytes (a segment and a half here: never a whole run, never a cut segment); the bytes exact both ways."""
+    segment = 64 << 10
+    pool, host = _pools(layers, segment, 64, 48, seed=5, one=alloc == "one")
+    copier = PageCopier(pool[0] if layers == 1 else pool, host, method="dma", piece_bytes=segment * 3 // 2)
+    assert copier.piece_bytes == segment * 3 // 2
+    stream = CopyStream(torch.cuda.current_device())
+    ids = np.concatenate([np.arange(8, 20), np.arange(30, 36)]).astype(np.int32)
+    slots = np.concatenate([np.arange(0, 12), np.arange(20, 26)]).astype(np.int32)
+    hv = host_array(host)
+    hv[:] = 0xA5
+    expect = [_page(pool, int(g)) for g in ids]
+    torch.cuda.synchronize()
+    assert copier.to_host(ids, slots, stream.handle) == ("dma" if copier.dma_available else "kernel")
+    torch.cuda.synchronize()
+    for s, want in zip(slots, expect, strict=True):
+        assert np.array_equal(hv[s], want)
+    for t in pool:
+        t.fill_(0x3C)
+    torch.cuda.synchronize()
+    copier.to_gpu(slots, ids, stream.handle)
+    torch.cuda.synchronize()
+    for g, want in zip(ids, expect, strict=True):
+        assert np.array_equal(_page(pool, int(g)), want)
+    host.close()
+
+
+@pytest.mark.gpu
+@cuda
 def test_store_does_not_hold_the_engine_stream_and_release_orders_reuse() -> None:
     """The engine's stream is free while a store's copy is held back; release() makes it wait (GPU-side)."""
     e = engine("page-first", device="cuda", layer_pattern="F", num_gpu_blocks=64)
