@@ -254,11 +254,17 @@ def test_vllms_factory_builds_kvtiers_spec_manager_and_worker_from_the_one_line(
 
 def test_kvtier_settings_come_from_the_extra_config() -> None:
     line = json.loads(ONE_LINE)
-    line["kv_connector_extra_config"].update(host_bytes="64KiB", eviction_policy="adaptive", copy_method="kernel")
+    line["kv_connector_extra_config"].update(
+        host_bytes="64KiB", eviction_policy="adaptive", copy_method="kernel", copy_piece_bytes="2MiB"
+    )
     spec = spec_from_line(json.dumps(line))
     assert spec.num_chunks == (64 << 10) // (PAGE * LAYERS)  # host_bytes wins over cpu_bytes_to_use
     assert spec.get_manager().index.eviction_policy == "adaptive"
     assert spec.settings.copy_method == "kernel"
+    # The copy settings reach the worker's page copiers.
+    worker = spec.get_worker(kv_caches())
+    assert {(c.method, c.piece_bytes) for c in worker.copier.copiers} == {("kernel", 2 << 20)}
+    worker.shutdown()
 
 
 def test_tensor_parallel_ranks_divide_the_host_bytes() -> None:
@@ -1279,7 +1285,8 @@ def test_the_tier_closes_its_store_client_at_exit_when_vllm_never_shut_it_down(t
 
 
 def test_the_worker_copies_with_the_kernel_unless_told_otherwise() -> None:
-    # On a real engine the kernel loaded vLLM's one-layer pieces at memcpy speed, the copy engine at 1.6-2x the time.
+    # On a real engine (vLLM 0.25.1, H100) the copy engine's loads took 1.2-1.9x the kernel's time at 16K and 32K
+    # tokens, and its stores cost a no-reuse run 7-10% of its throughput (docs/VLLM.md).
     assert kv.resolve_settings({}, env={}).copy_method == "kernel"
     assert kv.resolve_settings({"copy_method": "auto"}, env={}).copy_method == "auto"
     assert kv.resolve_settings({}, env={"KVTIER_COPY_METHOD": "dma"}).copy_method == "dma"
