@@ -1306,3 +1306,14 @@ def test_the_worker_stores_with_two_ctas_and_loads_with_eight_unless_told_otherw
     for bad in ({"copy_ctas": 0}, {"store_copy_ctas": 0}, {"store_copy_method": "fast"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             kv.resolve_settings(bad, env={})
+
+
+def test_bench_vllm_steps_vllms_scheduler_through_the_same_workload_in_each_configuration() -> None:
+    # `kvtier bench vllm --scheduler`: vLLM's own Scheduler with no offloading, vLLM's CPU offloading and kvtier's
+    # spec; the same prompts take the same steps in each (nothing is reused), every request finishing.
+    from kvtier.tools.bench import vllm as bench
+
+    runs = {c: bench.scheduler_steps(c, prompts=3, tokens=300) for c in bench.SCHEDULER_CONFIGS}
+    steps = {s for s, _ in runs.values()}
+    assert len(steps) == 1 and steps.pop() >= 8, runs  # at least the 8 output tokens' steps
+    assert all(ms > 0 for _, ms in runs.values())

@@ -6,6 +6,11 @@ Both managers run side by side in one process on the same keys (vLLM's OffloadKe
 complete_store, the request's on_request_finished, and the store's two calls together (prepare+complete). kvtier's
 manager runs with each eviction policy. Needs vLLM 0.25.1 through 0.34 (`pip install ".[vllm]"` from kvtier's source).
 
+With ``--scheduler``: vLLM's own Scheduler stepping a no-reuse workload (``--prompts`` prompts of ``--tokens``
+distinct tokens, 8,192 tokens a step, 8 output tokens each) with no offloading, with vLLM's CPU offloading and with
+kvtier's spec: the host time of ``schedule()`` and ``update_from_output()`` a step, the scheduler side of the
+connector included (no worker: every store is reported complete at once). Medians of the repeats.
+
 With ``--copies`` (needs CUDA, not vLLM): the worker's copy half (``kvtier.vllm.copy.ChunkCopier``) on KV tensors of
 vLLM 0.33's CUDA shapes, 256 blocks: stores and loads of every block against a plain pinned memcpy of the same
 bytes, whether the round trip is exact, and a bf16 GEMM (8192^3, 20 times) alone and with a store and a load on
@@ -76,6 +81,128 @@ def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
                 times[step].append(dt * 1e3)
         out[name] = {step: statistics.median(v) for step, v in times.items()}
     return out
+
+
+SCHEDULER_CONFIGS = ("none", "native", "kvtier")
+
+
+def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]:
+    """Steps vLLM's Scheduler through the no-reuse workload under ``config`` (see the module's text); returns the
+    steps and the host milliseconds of ``schedule()`` + ``update_from_output()`` a step."""
+    import dataclasses
+    import os
+    import tempfile
+
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    try:  # vLLM 0.33 on
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:
+        get_kv_cache_config_from_groups = kv_cache_utils.get_kv_cache_config_from_groups
+
+    block, batch, output = 16, 8192, 8
+    blocks = prompts * (tokens // block + 2) + 64
+    model = tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
+                   "num_attention_heads": 4, "num_hidden_layers": 2, "ffn_dim": 128, "vocab_size": 50000,
+                   "max_position_embeddings": tokens + 64, "word_embed_proj_dim": 64, "do_layer_norm_before": True,
+                   "torch_dtype": "float16", "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}, f)  # fmt: skip
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 64 << 20}
+    if config == "kvtier":
+        extra.update(spec_name="KvtierSpec", spec_module_path="kvtier.vllm")
+    cache = CacheConfig(block_size=block, enable_prefix_caching=True)
+    if hasattr(cache, "kv_cache_layout"):  # vLLM 0.30 on: the layout a worker would have resolved
+        cache.kv_cache_layout = "LBNHC"
+    transfer: dict[str, Any] = {}
+    if config != "none":
+        transfer["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=model, dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=tokens + 64
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=256,
+            max_num_batched_tokens=batch,
+            max_model_len=tokens + 64,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=cache,
+        device_config=DeviceConfig("cpu"),
+        **transfer,
+    )
+    vllm_config.scheduler_config.async_scheduling = False
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    vllm_config.cache_config.num_gpu_blocks_override = blocks
+    kv_config = get_kv_cache_config_from_groups(
+        vllm_config, [KVCacheGroupSpec(["layer"], spec)], spec.page_size_bytes * blocks
+    )
+    vllm_config.cache_config.num_gpu_blocks = blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, vllm_config)
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block, sha256)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=output, ignore_eos=True)
+    for i in range(prompts):
+        ids = rng.integers(1000, 40000, tokens).tolist()
+        request = Request(
+            request_id=f"r{i}", prompt_token_ids=ids, sampling_params=params, pooling_params=None, block_hasher=hasher
+        )
+        scheduler.add_request(request)
+    by_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}  # vLLM 0.33 on
+    steps, seconds = 0, 0.0
+    while scheduler.requests:
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        seconds += time.perf_counter() - t0
+        worker = OffloadingWorkerMetadata()
+        for job in getattr(out.kv_connector_metadata, "store_jobs", {}):
+            worker.mark_completed(job)
+        running = scheduler.running
+        o: dict[str, Any] = {
+            "req_ids": [r.request_id for r in running],
+            "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
+            "logprobs": None,
+            "prompt_logprobs_dict": {},
+            "pooler_output": None,
+        }
+        if config != "none":
+            o["kv_connector_output"] = KVConnectorOutput(
+                finished_sending=set(), finished_recving=set(), invalid_block_ids=set(), kv_connector_worker_meta=worker
+            )
+        if by_index:
+            o["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
+        output_ = ModelRunnerOutput(**o)
+        t0 = time.perf_counter()
+        scheduler.update_from_output(out, output_)
+        seconds += time.perf_counter() - t0
+        steps += 1
+        if steps > 100 * prompts * (tokens // batch + output + 2):
+            raise RuntimeError(f"{config}: the requests did not finish in {steps} steps")
+    return steps, seconds * 1e3 / steps
 
 
 def _best(fn: Any, reps: int = 5) -> float:
@@ -198,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=positive(int), default=7, help="runs a manager; the median is reported")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--copies", action="store_true", help="measure the worker's copies on CUDA instead (no vLLM)")
+    ap.add_argument("--scheduler", action="store_true", help="time vLLM's Scheduler a step instead (no-reuse prompts)")
+    ap.add_argument("--prompts", type=positive(int), default=32, help="prompts of --scheduler")
+    ap.add_argument("--tokens", type=positive(int), default=4096, help="tokens a prompt of --scheduler")
     ap.add_argument(
         "--copy-method", choices=("auto", "kernel", "dma"), default="auto", help="the copies' method (with --copies)"
     )
@@ -227,6 +357,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvtier bench vllm: error: needs vLLM 0.25.1 through 0.34 (pip install '.[vllm]' from kvtier's source)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.scheduler:
+        per_step: dict[str, list[float]] = {c: [] for c in SCHEDULER_CONFIGS}
+        steps = 0
+        for _ in range(args.repeat):
+            for c in SCHEDULER_CONFIGS:  # in turn, so drift falls on all alike
+                steps, ms = scheduler_steps(c, args.prompts, args.tokens)
+                per_step[c].append(ms)
+        ms_per_step = {c: statistics.median(v) for c, v in per_step.items()}
+        if args.json:
+            print(json.dumps({"steps": steps, "ms_per_step": ms_per_step}, indent=2))
+            return 0
+        cells = ", ".join(f"{c} {v:.3f}" for c, v in ms_per_step.items())
+        print(f"vLLM's Scheduler, {args.prompts} prompts of {args.tokens} distinct tokens, {steps} steps: host ms a "
+              f"step (median of {args.repeat}): {cells}")  # fmt: skip
+        return 0
     result = run(args.keys, args.repeat)
     if args.json:
         print(json.dumps(result, indent=2))
