@@ -84,50 +84,32 @@ def run(keys: int, repeat: int) -> dict[str, dict[str, float]]:
 
 
 SCHEDULER_CONFIGS = ("none", "native", "kvtier")
+# The --scheduler workload: tokens a KV block, tokens a step (vLLM's batch), output tokens a request.
+SCHEDULER_BLOCK, SCHEDULER_BATCH, SCHEDULER_OUTPUT = 16, 8192, 8
 
 
-def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]:
-    """Steps vLLM's Scheduler through the no-reuse workload under ``config`` (see the module's text); returns the
-    steps and the host milliseconds of ``schedule()`` + ``update_from_output()`` a step."""
-    import dataclasses
+def _vllm_config(config: str, tokens: int) -> Any:
+    """A VllmConfig of a tiny model on the CPU, with ``config``'s offloading connector (none, vLLM's CPU offloading
+    or kvtier's spec)."""
     import os
     import tempfile
 
-    import numpy as np
-    import torch
-    from vllm import SamplingParams
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    try:  # vLLM 0.33 on
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-    except ImportError:
-        get_kv_cache_config_from_groups = kv_cache_utils.get_kv_cache_config_from_groups
-
-    block, batch, output = 16, 8192, 8
-    blocks = prompts * (tokens // block + 2) + 64
     model = tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
                    "num_attention_heads": 4, "num_hidden_layers": 2, "ffn_dim": 128, "vocab_size": 50000,
                    "max_position_embeddings": tokens + 64, "word_embed_proj_dim": 64, "do_layer_norm_before": True,
                    "torch_dtype": "float16", "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}, f)  # fmt: skip
-    extra: dict[str, Any] = {"cpu_bytes_to_use": 64 << 20}
-    if config == "kvtier":
-        extra.update(spec_name="KvtierSpec", spec_module_path="kvtier.vllm")
-    cache = CacheConfig(block_size=block, enable_prefix_caching=True)
+    cache = CacheConfig(block_size=SCHEDULER_BLOCK, enable_prefix_caching=True)
     if hasattr(cache, "kv_cache_layout"):  # vLLM 0.30 on: the layout a worker would have resolved
         cache.kv_cache_layout = "LBNHC"
     transfer: dict[str, Any] = {}
     if config != "none":
+        extra: dict[str, Any] = {"cpu_bytes_to_use": 64 << 20}
+        if config == "kvtier":
+            extra.update(spec_name="KvtierSpec", spec_module_path="kvtier.vllm")
         transfer["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
@@ -137,7 +119,7 @@ def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=256,
-            max_num_batched_tokens=batch,
+            max_num_batched_tokens=SCHEDULER_BATCH,
             max_model_len=tokens + 64,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
@@ -147,12 +129,34 @@ def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]
         **transfer,
     )
     vllm_config.scheduler_config.async_scheduling = False
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=4, dtype=torch.float32)
-    vllm_config.cache_config.num_gpu_blocks_override = blocks
-    kv_config = get_kv_cache_config_from_groups(
-        vllm_config, [KVCacheGroupSpec(["layer"], spec)], spec.page_size_bytes * blocks
-    )
-    vllm_config.cache_config.num_gpu_blocks = blocks
+    return vllm_config
+
+
+def _scheduler(config: str, prompts: int, tokens: int) -> Any:
+    """vLLM's Scheduler with ``config``'s connector (see the module's text), on a one-layer CPU KV cache with room
+    for every prompt, the no-reuse prompts added."""
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    try:  # vLLM 0.33 on
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:
+        get_kv_cache_config_from_groups = kv_cache_utils.get_kv_cache_config_from_groups
+
+    vllm_config = _vllm_config(config, tokens)
+    blocks = prompts * (tokens // SCHEDULER_BLOCK + 2) + 64
+    spec = FullAttentionSpec(block_size=SCHEDULER_BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    vllm_config.cache_config.num_gpu_blocks_override = vllm_config.cache_config.num_gpu_blocks = blocks
+    groups = [KVCacheGroupSpec(["layer"], spec)]
+    kv_config = get_kv_cache_config_from_groups(vllm_config, groups, spec.page_size_bytes * blocks)
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, vllm_config)
     scheduler = Scheduler(
         vllm_config=vllm_config,
@@ -163,44 +167,60 @@ def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]
         hash_block_size=hash_block_size,
     )
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(block, sha256)
+    hasher = get_request_block_hasher(SCHEDULER_BLOCK, sha256)
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=output, ignore_eos=True)
+    params = SamplingParams(max_tokens=SCHEDULER_OUTPUT, ignore_eos=True)
     for i in range(prompts):
         ids = rng.integers(1000, 40000, tokens).tolist()
-        request = Request(
-            request_id=f"r{i}", prompt_token_ids=ids, sampling_params=params, pooling_params=None, block_hasher=hasher
-        )
+        request = Request(f"r{i}", ids, sampling_params=params, pooling_params=None, block_hasher=hasher)
         scheduler.add_request(request)
-    by_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}  # vLLM 0.33 on
+    return scheduler
+
+
+def _model_output(scheduler: Any, out: Any, connector: bool) -> Any:
+    """What a worker would return for the step ``out`` scheduled: a token for each request past its prompt, and
+    every store job of the step complete."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    running = scheduler.running
+    o: dict[str, Any] = {
+        "req_ids": [r.request_id for r in running],
+        "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
+        "logprobs": None,
+        "prompt_logprobs_dict": {},
+        "pooler_output": None,
+    }
+    if connector:
+        worker = OffloadingWorkerMetadata()
+        for job in getattr(out.kv_connector_metadata, "store_jobs", {}):
+            worker.mark_completed(job)
+        o["kv_connector_output"] = KVConnectorOutput(
+            finished_sending=set(), finished_recving=set(), invalid_block_ids=set(), kv_connector_worker_meta=worker
+        )
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33 on
+        o["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
+    return ModelRunnerOutput(**o)
+
+
+def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]:
+    """Steps vLLM's Scheduler through the no-reuse workload under ``config`` (see the module's text); returns the
+    steps and the host milliseconds of ``schedule()`` + ``update_from_output()`` a step."""
+    scheduler = _scheduler(config, prompts, tokens)
+    limit = 100 * prompts * (tokens // SCHEDULER_BATCH + SCHEDULER_OUTPUT + 2)
     steps, seconds = 0, 0.0
     while scheduler.requests:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         seconds += time.perf_counter() - t0
-        worker = OffloadingWorkerMetadata()
-        for job in getattr(out.kv_connector_metadata, "store_jobs", {}):
-            worker.mark_completed(job)
-        running = scheduler.running
-        o: dict[str, Any] = {
-            "req_ids": [r.request_id for r in running],
-            "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
-            "logprobs": None,
-            "prompt_logprobs_dict": {},
-            "pooler_output": None,
-        }
-        if config != "none":
-            o["kv_connector_output"] = KVConnectorOutput(
-                finished_sending=set(), finished_recving=set(), invalid_block_ids=set(), kv_connector_worker_meta=worker
-            )
-        if by_index:
-            o["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
-        output_ = ModelRunnerOutput(**o)
+        output = _model_output(scheduler, out, config != "none")
         t0 = time.perf_counter()
-        scheduler.update_from_output(out, output_)
+        scheduler.update_from_output(out, output)
         seconds += time.perf_counter() - t0
         steps += 1
-        if steps > 100 * prompts * (tokens // batch + output + 2):
+        if steps > limit:
             raise RuntimeError(f"{config}: the requests did not finish in {steps} steps")
     return steps, seconds * 1e3 / steps
 
@@ -317,6 +337,24 @@ def copies(blocks: int = 256, copy_method: str = "auto") -> list[dict[str, Any]]
     return rows
 
 
+def _scheduler_table(prompts: int, tokens: int, repeat: int, as_json: bool) -> int:
+    """``--scheduler``: each configuration in turn, ``repeat`` times (drift falls on all alike); the medians."""
+    per_step: dict[str, list[float]] = {c: [] for c in SCHEDULER_CONFIGS}
+    steps = 0
+    for _ in range(repeat):
+        for c in SCHEDULER_CONFIGS:
+            steps, ms = scheduler_steps(c, prompts, tokens)
+            per_step[c].append(ms)
+    ms_per_step = {c: statistics.median(v) for c, v in per_step.items()}
+    if as_json:
+        print(json.dumps({"steps": steps, "ms_per_step": ms_per_step}, indent=2))
+        return 0
+    cells = ", ".join(f"{c} {v:.3f}" for c, v in ms_per_step.items())
+    print(f"vLLM's Scheduler, {prompts} prompts of {tokens} distinct tokens, {steps} steps: host ms a "
+          f"step (median of {repeat}): {cells}")  # fmt: skip
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.tools.cli import parser, positive
 
@@ -358,20 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     if args.scheduler:
-        per_step: dict[str, list[float]] = {c: [] for c in SCHEDULER_CONFIGS}
-        steps = 0
-        for _ in range(args.repeat):
-            for c in SCHEDULER_CONFIGS:  # in turn, so drift falls on all alike
-                steps, ms = scheduler_steps(c, args.prompts, args.tokens)
-                per_step[c].append(ms)
-        ms_per_step = {c: statistics.median(v) for c, v in per_step.items()}
-        if args.json:
-            print(json.dumps({"steps": steps, "ms_per_step": ms_per_step}, indent=2))
-            return 0
-        cells = ", ".join(f"{c} {v:.3f}" for c, v in ms_per_step.items())
-        print(f"vLLM's Scheduler, {args.prompts} prompts of {args.tokens} distinct tokens, {steps} steps: host ms a "
-              f"step (median of {args.repeat}): {cells}")  # fmt: skip
-        return 0
+        return _scheduler_table(args.prompts, args.tokens, args.repeat, args.json)
     result = run(args.keys, args.repeat)
     if args.json:
         print(json.dumps(result, indent=2))
