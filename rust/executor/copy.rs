@@ -525,10 +525,9 @@ impl PageCopier {
     }
 
     /// The copy engine's pieces of a batch: runs of segments contiguous on both sides (up to `piece_bytes`), layer by
-    /// layer. A host pool
-    /// registered with CUDA one pin step at a time cannot take a copy-engine piece across two registrations: pieces
-    /// are cut at the pool's `copy_span_bytes` (the driver's memory is one span; the kernel, which reads 16 bytes
-    /// at a time, is never cut).
+    /// layer. A host pool registered with CUDA one pin step at a time cannot take a copy-engine piece across two
+    /// registrations: pieces are cut at the pool's `copy_span_bytes` (the driver's memory is one span; the kernel,
+    /// which reads 16 bytes at a time, is never cut).
     fn dma_pieces(&self, gpu_ids: &[i32], host_slots: &[i32], layers: Range<usize>) -> Pieces {
         let seg = self.pool.segment_bytes;
         let host_base = self.host.base_ptr();

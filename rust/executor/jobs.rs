@@ -83,8 +83,6 @@ struct LaneQueue {
 
 pub struct Jobs {
     copiers: Vec<PageCopier>,
-    /// The copiers' CUDA device (None: CPU pools).
-    device: Option<i32>,
     lanes: Vec<LaneQueue>,
     /// Recorded on the engine's stream and waited for by a lane's stream before a job (with copy streams).
     order: Option<Event>,
@@ -121,7 +119,6 @@ impl Jobs {
         };
         Ok(Self {
             copiers,
-            device,
             lanes,
             order,
             running: HashMap::new(),
@@ -129,6 +126,11 @@ impl Jobs {
             failed: HashSet::new(),
             done: Vec::new(),
         })
+    }
+
+    /// The copiers' CUDA device (None: CPU pools; `new` checked they share one).
+    fn device(&self) -> Option<i32> {
+        self.copiers[0].pool().device
     }
 
     /// Whether jobs run on kvtier's own copy streams (else on the engine's).
@@ -195,7 +197,7 @@ impl Jobs {
                     break;
                 }
             }
-            if self.device.is_none() {
+            if self.device().is_none() {
                 clock = Clock::Host(t0.elapsed().as_secs_f64());
             } else if let Some(start) = start {
                 match self.timer(stream) {
@@ -224,7 +226,7 @@ impl Jobs {
     fn timer(&mut self, stream: u64) -> Option<Event> {
         let ev = match self.timers.pop() {
             Some(ev) => ev,
-            None => Event::timing(self.device?).ok()?,
+            None => Event::timing(self.device()?).ok()?,
         };
         match ev.record(stream) {
             Ok(()) => Some(ev),

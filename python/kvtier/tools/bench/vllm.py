@@ -88,15 +88,13 @@ SCHEDULER_CONFIGS = ("none", "native", "kvtier")
 SCHEDULER_BLOCK, SCHEDULER_BATCH, SCHEDULER_OUTPUT = 16, 8192, 8
 
 
-def _vllm_config(config: str, tokens: int) -> Any:
-    """A VllmConfig of a tiny model on the CPU, with ``config``'s offloading connector (none, vLLM's CPU offloading
-    or kvtier's spec)."""
+def _vllm_config(config: str, tokens: int, model: str) -> Any:
+    """A VllmConfig of a tiny model (its config.json written into the folder ``model``) on the CPU, with
+    ``config``'s offloading connector (none, vLLM's CPU offloading or kvtier's spec)."""
     import os
-    import tempfile
 
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    model = tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
                    "num_attention_heads": 4, "num_hidden_layers": 2, "ffn_dim": 128, "vocab_size": 50000,
@@ -132,7 +130,7 @@ def _vllm_config(config: str, tokens: int) -> Any:
     return vllm_config
 
 
-def _scheduler(config: str, prompts: int, tokens: int) -> Any:
+def _scheduler(config: str, prompts: int, tokens: int, model: str) -> Any:
     """vLLM's Scheduler with ``config``'s connector (see the module's text), on a one-layer CPU KV cache with room
     for every prompt, the no-reuse prompts added."""
     import numpy as np
@@ -151,7 +149,7 @@ def _scheduler(config: str, prompts: int, tokens: int) -> Any:
     except ImportError:
         get_kv_cache_config_from_groups = kv_cache_utils.get_kv_cache_config_from_groups
 
-    vllm_config = _vllm_config(config, tokens)
+    vllm_config = _vllm_config(config, tokens, model)
     blocks = prompts * (tokens // SCHEDULER_BLOCK + 2) + 64
     spec = FullAttentionSpec(block_size=SCHEDULER_BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32)
     vllm_config.cache_config.num_gpu_blocks_override = vllm_config.cache_config.num_gpu_blocks = blocks
@@ -208,20 +206,23 @@ def _model_output(scheduler: Any, out: Any, connector: bool) -> Any:
 def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]:
     """Steps vLLM's Scheduler through the no-reuse workload under ``config`` (see the module's text); returns the
     steps and the host milliseconds of ``schedule()`` + ``update_from_output()`` a step."""
-    scheduler = _scheduler(config, prompts, tokens)
+    import tempfile
+
     limit = 100 * prompts * (tokens // SCHEDULER_BATCH + SCHEDULER_OUTPUT + 2)
     steps, seconds = 0, 0.0
-    while scheduler.requests:
-        t0 = time.perf_counter()
-        out = scheduler.schedule()
-        seconds += time.perf_counter() - t0
-        output = _model_output(scheduler, out, config != "none")
-        t0 = time.perf_counter()
-        scheduler.update_from_output(out, output)
-        seconds += time.perf_counter() - t0
-        steps += 1
-        if steps > limit:
-            raise RuntimeError(f"{config}: the requests did not finish in {steps} steps")
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as model:
+        scheduler = _scheduler(config, prompts, tokens, model)
+        while scheduler.requests:
+            t0 = time.perf_counter()
+            out = scheduler.schedule()
+            seconds += time.perf_counter() - t0
+            output = _model_output(scheduler, out, config != "none")
+            t0 = time.perf_counter()
+            scheduler.update_from_output(out, output)
+            seconds += time.perf_counter() - t0
+            steps += 1
+            if steps > limit:
+                raise RuntimeError(f"{config}: the requests did not finish in {steps} steps")
     return steps, seconds * 1e3 / steps
 
 
