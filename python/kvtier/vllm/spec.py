@@ -107,9 +107,9 @@ _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupRe
 _ABSENT, _READY = 0, 2
 # The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. Under vLLM 0.25.1 on an H100
 # (8B shape; vLLM lays the KV cache out across layers for the offloading connector, a block's 32 layers in one
-# 2 MiB page), turn 2 with the copy engine's loads took as long as the kernel's at 4K-token prefixes and 1.2-1.3x as
-# long at 16K and 32K, and copy-engine stores cost a no-reuse run 7-10% of its throughput against 1.6-2% for the
-# kernel's (docs/VLLM.md, "Serving a model").
+# 2 MiB page), the kernel's loads ran at a steady 33 GB/s (a kernel reads host memory at about 34 GB/s there, whatever
+# its grid), the copy engine's at 25-52 GB/s from one turn to the next (native's at 53), and copy-engine stores cost a
+# no-reuse run 7-11% of its throughput against 1.6-3% for the kernel's (docs/VLLM.md, "Serving a model").
 WORKER_COPY_METHOD = "kernel"
 # The worker's kernel grid bound for stores unless set otherwise: stores run beside the model's GEMMs, and each CTA
 # they hold is an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took
