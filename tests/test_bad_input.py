@@ -568,3 +568,43 @@ def test_engine_key_calls_name_the_bad_key_and_change_nothing() -> None:
     ix.complete(ticket)
     assert [ix.key_state(k) for k in (b"a" * 36, b"c" * 36)] == [2, 0]
     ix.check()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (2**64, f"{2**64} is out of range"),
+        (-(2**70), f"{-(2**70)} is out of range"),
+        (1.5, "expected an int, got float 1.5"),
+        (True, "expected an int, got bool True"),
+        ("4", "expected an int, got str '4'"),
+        (None, "expected an int, got NoneType None"),
+    ],
+)
+def test_integer_arguments_of_the_wrong_kind_or_beyond_their_type_name_the_value(value: object, message: str) -> None:
+    """The core's integer arguments: what Python would turn into an OverflowError or a TypeError naming neither the
+    value nor the argument is a BadArgument naming the value, with the argument's name in its notes; numpy's
+    integers are ints."""
+    from kvtier._core import Index, IndexConfig, PageCopier
+
+    ix = Index(IndexConfig(4))
+    pool = HostPool(4, 4096, pin=False)
+    gpu = torch.zeros(4, 4096, dtype=torch.uint8)
+    calls = {
+        "slots": lambda v: HostPool(v, 4096, pin=False),
+        "page_slots": lambda v: IndexConfig(v),
+        "block_size": lambda v: IndexConfig(4, block_size=v),
+        "slot": lambda v: ix.page_entry(v),
+        "ticket": lambda v: ix.complete(v),
+        "piece_bytes": lambda v: PageCopier([gpu], pool, piece_bytes=v),
+        "stream": lambda v: PageCopier([gpu], pool).to_host([0], [0], stream=v),
+    }
+    for name, call in calls.items():
+        if value is None and name == "piece_bytes":
+            continue  # None is its default: no bound
+        with pytest.raises(kvtier.BadArgument, match=message.replace("(", r"\(")) as raised:
+            call(value)
+        assert f"while processing '{name}'" in getattr(raised.value, "__notes__", []), name
+    assert HostPool(np.int64(4), np.uint32(4096), pin=False).slots == 4
+    assert IndexConfig(np.int32(8), block_size=np.int64(16)).page_slots == 8
+    assert ix.page_entry(np.uint8(3)) is None

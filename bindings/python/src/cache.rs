@@ -12,8 +12,8 @@ use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 use crate::copy::PyPageCopier;
 use crate::index::{PyIndex, PyReady};
 use crate::{
-    bad_argument, lock, namespace_bytes, non_negative, raised_by, to_py, with_prompt, Ids, KvtierError, NeverType,
-    Raised,
+    bad_argument, int, lock, namespace_bytes, non_negative, opt_int, raised_by, to_py, with_prompt, Ids, KvtierError,
+    NeverType, Raised,
 };
 use kvtier::cache::{Allocation, Cache, Hooks, Request, Resumed, Stored};
 use kvtier::error::{Error, Result};
@@ -272,8 +272,8 @@ impl PyCache {
         allocate: Py<PyAny>,
         state: Option<Py<PyAny>>,
         namespace: Option<&Bound<'_, PyAny>>,
-        stream: u64,
-        fetch_group_pages: Option<i64>,
+        #[pyo3(from_py_with = int)] stream: u64,
+        #[pyo3(from_py_with = opt_int)] fetch_group_pages: Option<i64>,
     ) -> PyResult<i64> {
         if !allocate.bind(py).is_callable() {
             return Err(bad_argument(format!(
@@ -308,7 +308,7 @@ impl PyCache {
         seq_len: Option<&Bound<'_, PyAny>>,
         state: Option<Py<PyAny>>,
         namespace: Option<&Bound<'_, PyAny>>,
-        stream: u64,
+        #[pyo3(from_py_with = int)] stream: u64,
     ) -> PyResult<&'static str> {
         let ns = namespace_bytes(namespace)?;
         let table = block_ids(block_table, "block_table", self.num_blocks)?;
@@ -333,7 +333,7 @@ impl PyCache {
 
     /// Before layer part `layer` reads its KV: the engine's stream waits (GPU-side) for its layer-wise loads.
     #[pyo3(signature = (layer, *, stream=0))]
-    fn wait_layer(&self, layer: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
+    fn wait_layer(&self, layer: &Bound<'_, PyAny>, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         self.cache().wait_layer(layer_index(layer)?, stream).map_err(to_py)
     }
 
@@ -345,13 +345,13 @@ impl PyCache {
 
     /// `wait_layer` for every layer part.
     #[pyo3(signature = (*, stream=0))]
-    fn wait_loads(&self, stream: u64) -> PyResult<()> {
+    fn wait_loads(&self, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         self.cache().wait_loads(stream).map_err(to_py)
     }
 
     /// Before the engine rewrites `blocks`: its stream waits (GPU-side) for the pending stores that read them.
     #[pyo3(signature = (blocks, *, stream=0))]
-    fn release(&self, blocks: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
+    fn release(&self, blocks: &Bound<'_, PyAny>, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         let blocks = block_ids(blocks, "blocks", self.num_blocks)?;
         self.cache().release(&blocks, stream).map_err(to_py)
     }
@@ -359,7 +359,7 @@ impl PyCache {
     /// The request is gone: the engine's stream waits for its pending stores and its chain is dropped. Returns
     /// whether the index knew it.
     #[pyo3(signature = (request_id, *, stream=0))]
-    fn forget(&self, request_id: &str, stream: u64) -> PyResult<bool> {
+    fn forget(&self, request_id: &str, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<bool> {
         self.cache().forget(request_id, stream).map_err(to_py)
     }
 

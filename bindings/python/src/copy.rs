@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::dlpack::layer_tensor;
-use crate::{bad_argument, int32s, lock, non_negative, to_py};
+use crate::{bad_argument, int, int32s, lock, non_negative, opt_int, to_py};
 use kvtier::executor::copy::{self, CompletionQueue, CopyOptions, Direction, GpuPool, Method, PageCopier};
 use kvtier::executor::cuda::{self, Event, Stream};
 use kvtier::executor::hostmem::{self, HostPool};
@@ -44,9 +44,9 @@ impl PyHostPool {
     #[new]
     #[pyo3(signature = (slots, slot_bytes, *, step_bytes = None, pin = None, pin_method = "auto"))]
     fn new(
-        slots: i64,
-        slot_bytes: i64,
-        step_bytes: Option<i64>,
+        #[pyo3(from_py_with = int)] slots: i64,
+        #[pyo3(from_py_with = int)] slot_bytes: i64,
+        #[pyo3(from_py_with = opt_int)] step_bytes: Option<i64>,
         pin: Option<bool>,
         pin_method: &str,
     ) -> PyResult<Self> {
@@ -109,19 +109,19 @@ impl PyHostPool {
     }
 
     /// Grow until at least `slots` slots are usable (or the pool is full); returns usable_slots.
-    fn grow_to(&self, py: Python<'_>, slots: i64) -> PyResult<u32> {
+    fn grow_to(&self, py: Python<'_>, #[pyo3(from_py_with = int)] slots: i64) -> PyResult<u32> {
         let slots = non_negative("slots", slots)?;
         py.detach(|| self.inner.grow_to(slots)).map_err(to_py)
     }
 
     /// A copy of one usable slot's bytes.
-    fn read<'py>(&self, py: Python<'py>, slot: i64) -> PyResult<Bound<'py, PyBytes>> {
+    fn read<'py>(&self, py: Python<'py>, #[pyo3(from_py_with = int)] slot: i64) -> PyResult<Bound<'py, PyBytes>> {
         let data = self.inner.read(non_negative("slot", slot)?).map_err(to_py)?;
         Ok(PyBytes::new(py, &data))
     }
 
     /// Overwrite the start of one usable slot with `data`.
-    fn write(&self, slot: i64, data: &[u8]) -> PyResult<()> {
+    fn write(&self, #[pyo3(from_py_with = int)] slot: i64, data: &[u8]) -> PyResult<()> {
         self.inner.write(non_negative("slot", slot)?, data).map_err(to_py)
     }
 
@@ -163,13 +163,13 @@ impl PyPageCopier {
     fn new(
         layers: Vec<Bound<'_, PyAny>>,
         host: &Bound<'_, PyHostPool>,
-        ctas: Option<i64>,
-        threads: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] ctas: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] threads: Option<i64>,
         method: &str,
-        crossover_bytes: Option<i64>,
-        store_ctas: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] crossover_bytes: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] store_ctas: Option<i64>,
         store_method: Option<&str>,
-        piece_bytes: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] piece_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let (tensors, owners): (Vec<_>, Vec<_>) = layers
             .iter()
@@ -208,7 +208,7 @@ impl PyPageCopier {
         py: Python<'_>,
         gpu_ids: &Bound<'_, PyAny>,
         host_slots: &Bound<'_, PyAny>,
-        stream: u64,
+        #[pyo3(from_py_with = int)] stream: u64,
         layers: Option<(i64, i64)>,
     ) -> PyResult<&'static str> {
         self.copy(py, Direction::ToHost, gpu_ids, host_slots, stream, layers)
@@ -221,7 +221,7 @@ impl PyPageCopier {
         py: Python<'_>,
         host_slots: &Bound<'_, PyAny>,
         gpu_ids: &Bound<'_, PyAny>,
-        stream: u64,
+        #[pyo3(from_py_with = int)] stream: u64,
         layers: Option<(i64, i64)>,
     ) -> PyResult<&'static str> {
         self.copy(py, Direction::ToGpu, gpu_ids, host_slots, stream, layers)
@@ -334,7 +334,7 @@ pub struct PyCompletionQueue {
 impl PyCompletionQueue {
     #[new]
     #[pyo3(signature = (device = None))]
-    fn new(device: Option<i64>) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = opt_int)] device: Option<i64>) -> PyResult<Self> {
         let device = device
             .map(|d| i32::try_from(d).map_err(|_| bad_argument(format!("device {d} is out of range"))))
             .transpose()?;
@@ -343,7 +343,7 @@ impl PyCompletionQueue {
 
     /// Record `ticket` after the work launched so far on `stream` (a raw cudaStream_t; ignored for CPU queues).
     #[pyo3(signature = (ticket, stream = 0))]
-    fn record(&self, ticket: i64, stream: u64) -> PyResult<()> {
+    fn record(&self, #[pyo3(from_py_with = int)] ticket: i64, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         let ticket = non_negative("ticket", ticket)?;
         lock(&self.inner).record(ticket, stream).map_err(to_py)
     }
@@ -386,7 +386,7 @@ pub struct PyCopyStream {
 #[pymethods]
 impl PyCopyStream {
     #[new]
-    fn new(device: i64) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = int)] device: i64) -> PyResult<Self> {
         Ok(Self { inner: Stream::new(device_arg(device)?).map_err(to_py)? })
     }
 
@@ -407,15 +407,15 @@ pub struct PyCopyEvent {
 #[pymethods]
 impl PyCopyEvent {
     #[new]
-    fn new(device: i64) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = int)] device: i64) -> PyResult<Self> {
         Ok(Self { inner: Event::new(device_arg(device)?).map_err(to_py)? })
     }
 
-    fn record(&self, stream: u64) -> PyResult<()> {
+    fn record(&self, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         self.inner.record(stream).map_err(to_py)
     }
 
-    fn wait_in(&self, stream: u64) -> PyResult<()> {
+    fn wait_in(&self, #[pyo3(from_py_with = int)] stream: u64) -> PyResult<()> {
         self.inner.wait_in(stream).map_err(to_py)
     }
 
@@ -461,11 +461,11 @@ impl PyJobCopier {
     fn submit(
         &self,
         py: Python<'_>,
-        job: u64,
+        #[pyo3(from_py_with = int)] job: u64,
         to_host: bool,
         lane: &str,
         pieces: Vec<PyPiece<'_>>,
-        engine_stream: u64,
+        #[pyo3(from_py_with = int)] engine_stream: u64,
     ) -> PyResult<Option<String>> {
         let lane = Lane::parse(lane).map_err(to_py)?;
         let mut ids = Vec::with_capacity(pieces.len());

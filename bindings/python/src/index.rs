@@ -6,7 +6,9 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::{bad_argument, int32s, namespace_bytes, non_negative, raised_by, slots_array, to_py, with_prompt};
+use crate::{
+    bad_argument, int, int32s, namespace_bytes, non_negative, opt_int, raised_by, slots_array, to_py, with_prompt,
+};
 use kvtier::cache::{full_blocks, lookup, Prompt as _, Request, SharedIndex};
 use kvtier::index::chain::{Check, HashKind, TokenIds};
 use kvtier::index::events::Event;
@@ -265,17 +267,17 @@ impl PyIndexConfig {
         event_buffer=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        page_slots: i64,
-        state_slots: i64,
-        block_size: i64,
-        keep_tokens: i64,
-        min_hit_tokens: Option<i64>,
-        state_lookback_blocks: i64,
-        ring_slack: i64,
+        #[pyo3(from_py_with = int)] page_slots: i64,
+        #[pyo3(from_py_with = int)] state_slots: i64,
+        #[pyo3(from_py_with = int)] block_size: i64,
+        #[pyo3(from_py_with = int)] keep_tokens: i64,
+        #[pyo3(from_py_with = opt_int)] min_hit_tokens: Option<i64>,
+        #[pyo3(from_py_with = int)] state_lookback_blocks: i64,
+        #[pyo3(from_py_with = int)] ring_slack: i64,
         hash_kind: &str,
         hash_key: Option<&Bound<'_, PyAny>>,
         eviction_policy: &str,
-        event_buffer: i64,
+        #[pyo3(from_py_with = int)] event_buffer: i64,
     ) -> PyResult<Self> {
         let block_size: usize = non_negative("block_size", block_size)?;
         let cfg = Config {
@@ -402,7 +404,11 @@ impl PyIndex {
 impl PyIndex {
     #[new]
     #[pyo3(signature = (config, *, usable_page_slots=None, usable_state_slots=None))]
-    fn new(config: &PyIndexConfig, usable_page_slots: Option<i64>, usable_state_slots: Option<i64>) -> PyResult<Self> {
+    fn new(
+        config: &PyIndexConfig,
+        #[pyo3(from_py_with = opt_int)] usable_page_slots: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] usable_state_slots: Option<i64>,
+    ) -> PyResult<Self> {
         let cfg = config.cfg.clone();
         let usable_pages = match usable_page_slots {
             Some(v) => slot_count("usable_page_slots", v)?,
@@ -461,7 +467,12 @@ impl PyIndex {
     }
 
     /// More host slots are usable now (a pin step of the lazily allocated host pool is ready).
-    fn grow(&self, py: Python<'_>, usable_page_slots: i64, usable_state_slots: i64) -> PyResult<()> {
+    fn grow(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = int)] usable_page_slots: i64,
+        #[pyo3(from_py_with = int)] usable_state_slots: i64,
+    ) -> PyResult<()> {
         let p: u32 = non_negative("usable_page_slots", usable_page_slots)?;
         let s: u32 = non_negative("usable_state_slots", usable_state_slots)?;
         py.detach(|| self.lock().grow(p, s));
@@ -542,7 +553,12 @@ impl PyIndex {
     }
 
     /// Pins the pages (and state) of a hit for a host -> GPU copy; raises StaleLookupError if they left the host.
-    fn begin_load(&self, py: Python<'_>, request_id: &str, hit_tokens: i64) -> PyResult<PyLoadPlan> {
+    fn begin_load(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        #[pyo3(from_py_with = int)] hit_tokens: i64,
+    ) -> PyResult<PyLoadPlan> {
         let hit: usize = non_negative("hit_tokens", hit_tokens)?;
         let plan = self.lock().begin_load(request_id, hit).map_err(to_py)?;
         Ok(PyLoadPlan {
@@ -562,7 +578,7 @@ impl PyIndex {
         py: Python<'_>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
-        seq_len: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] seq_len: Option<i64>,
         namespace: Option<&Bound<'_, PyAny>>,
         block_table: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStorePlan> {
@@ -592,12 +608,12 @@ impl PyIndex {
 
     /// The copies of a ticket finished: stored entries become ready, references drop. Returns what a store made
     /// ready (for the L3 write-behind), None for other tickets.
-    fn complete(&self, ticket: u64) -> PyResult<Option<PyReady>> {
+    fn complete(&self, #[pyo3(from_py_with = int)] ticket: u64) -> PyResult<Option<PyReady>> {
         Ok(self.lock().complete(ticket).map_err(to_py)?.map(PyReady::from))
     }
 
     /// The copies of a ticket failed: stored entries are discarded, held ones released.
-    fn abort(&self, ticket: u64) -> PyResult<()> {
+    fn abort(&self, #[pyo3(from_py_with = int)] ticket: u64) -> PyResult<()> {
         self.lock().abort(ticket).map_err(to_py)
     }
 
@@ -734,12 +750,12 @@ impl PyIndex {
     }
 
     /// `(key, refs, ready)` of a page slot, or None when the slot is free.
-    fn page_entry(&self, slot: u32) -> Option<(u128, u32, bool)> {
+    fn page_entry(&self, #[pyo3(from_py_with = int)] slot: u32) -> Option<(u128, u32, bool)> {
         self.lock().pages().entry(slot).map(|e| (e.key, e.refs, e.ready))
     }
 
     /// `(key, refs, ready)` of a state slot, or None when the slot is free.
-    fn state_entry(&self, slot: u32) -> Option<(u128, u32, bool)> {
+    fn state_entry(&self, #[pyo3(from_py_with = int)] slot: u32) -> Option<(u128, u32, bool)> {
         self.lock().states().entry(slot).map(|e| (e.key, e.refs, e.ready))
     }
 

@@ -9,7 +9,7 @@ use crate::copy::PyHostPool;
 use crate::dlpack::host_region;
 use crate::index::{PyIndex, PyReady};
 use crate::objects::PyObjectFormat;
-use crate::{bad_argument, lock, namespace_bytes, non_negative, to_py};
+use crate::{bad_argument, int, lock, namespace_bytes, non_negative, opt_int, to_py};
 use kvtier::l3;
 use kvtier::l3::path::{
     self as l3path, Answer, CodeClass, Failure, GetOutcome, Object, ObjectPath, PutOutcome, Regions, Store,
@@ -223,7 +223,7 @@ impl PyObjectPath {
 impl PyObjectPath {
     #[new]
     #[pyo3(signature = (*, staging_bytes=None))]
-    fn new(staging_bytes: Option<i64>) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = opt_int)] staging_bytes: Option<i64>) -> PyResult<Self> {
         let staging = staging_bytes.map(|b| non_negative("staging_bytes", b)).transpose()?;
         Ok(Self { inner: ObjectPath::new(staging).map_err(to_py)?, memory: Mutex::default() })
     }
@@ -335,13 +335,13 @@ impl PyL3Planner {
     fn new(
         index: Py<PyIndex>,
         fingerprint: &str,
-        group_pages: i64,
+        #[pyo3(from_py_with = int)] group_pages: i64,
         pages: &PyHostPool,
         states: Option<&PyHostPool>,
         hash_key: Option<&Bound<'_, PyAny>>,
-        seen_keys: i64,
-        scratch_pages: Option<i64>,
-        staging_bytes: Option<i64>,
+        #[pyo3(from_py_with = int)] seen_keys: i64,
+        #[pyo3(from_py_with = opt_int)] scratch_pages: Option<i64>,
+        #[pyo3(from_py_with = opt_int)] staging_bytes: Option<i64>,
     ) -> PyResult<Self> {
         let group_pages: usize = non_negative("group_pages", group_pages)?;
         let host = HostPools { pages: pages.pool().clone(), states: states.map(|s| s.pool().clone()) };

@@ -12,7 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use kvtier::cache::Prompt as CorePrompt;
 use kvtier::error::Error;
@@ -91,6 +91,53 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::Stale(_) => StaleLookupError::new_err(msg),
         Error::Copy(_) => CopyError::new_err(msg),
         Error::State(_) | Error::Invariant(_) | Error::Hook(_) => KvtierError::new_err(msg),
+    }
+}
+
+/// An integer type an argument may be read into (`int`).
+pub(crate) trait IntArg: Sized {
+    const RANGE: (i128, i128);
+    fn read(obj: &Bound<'_, PyAny>) -> PyResult<Self>;
+}
+
+macro_rules! int_arg {
+    ($($t:ty),*) => {$(
+        impl IntArg for $t {
+            const RANGE: (i128, i128) = (<$t>::MIN as i128, <$t>::MAX as i128);
+            fn read(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+                obj.extract()
+            }
+        }
+    )*};
+}
+int_arg!(i64, u64, u32, i32, usize);
+
+/// `#[pyo3(from_py_with = int)]`: an integer argument, a Python int or an object with `__index__` (numpy's integers)
+/// in `T`'s range. A bool, a float or an int out of range is a `BadArgument` naming the value, where Python's own
+/// conversion raises an OverflowError or TypeError that names neither (PyO3 notes the argument's name either way).
+pub(crate) fn int<T: IntArg>(obj: &Bound<'_, PyAny>) -> PyResult<T> {
+    let is_bool = obj.is_instance_of::<PyBool>();
+    if !is_bool {
+        if let Ok(v) = T::read(obj) {
+            return Ok(v);
+        }
+    }
+    let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+    let integer = obj.is_instance_of::<PyInt>() || obj.hasattr("__index__").unwrap_or(false);
+    Err(if integer && !is_bool {
+        bad_argument(format!("{shown} is out of range: {} to {}", T::RANGE.0, T::RANGE.1))
+    } else {
+        let kind = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        bad_argument(format!("expected an int, got {kind} {shown}"))
+    })
+}
+
+/// `int` for an optional argument: None stays None.
+pub(crate) fn opt_int<T: IntArg>(obj: &Bound<'_, PyAny>) -> PyResult<Option<T>> {
+    if obj.is_none() {
+        Ok(None)
+    } else {
+        int(obj).map(Some)
     }
 }
 
