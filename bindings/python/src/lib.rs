@@ -9,10 +9,10 @@ use std::sync::{Mutex, MutexGuard};
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 use kvtier::cache::Prompt as CorePrompt;
 use kvtier::error::Error;
@@ -116,20 +116,23 @@ int_arg!(i64, u64, u32, i32, usize);
 /// in `T`'s range. A bool, a float or an int out of range is a `BadArgument` naming the value, where Python's own
 /// conversion raises an OverflowError or TypeError that names neither (PyO3 notes the argument's name either way).
 pub(crate) fn int<T: IntArg>(obj: &Bound<'_, PyAny>) -> PyResult<T> {
-    let is_bool = obj.is_instance_of::<PyBool>();
-    if !is_bool {
-        if let Ok(v) = T::read(obj) {
-            return Ok(v);
-        }
-    }
-    let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
-    let integer = obj.is_instance_of::<PyInt>() || obj.hasattr("__index__").unwrap_or(false);
-    Err(if integer && !is_bool {
-        bad_argument(format!("{shown} is out of range: {} to {}", T::RANGE.0, T::RANGE.1))
+    let failure = if obj.is_instance_of::<PyBool>() {
+        None
     } else {
-        let kind = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
-        bad_argument(format!("expected an int, got {kind} {shown}"))
-    })
+        match T::read(obj) {
+            Ok(v) => return Ok(v),
+            Err(e) => Some(e),
+        }
+    };
+    let py = obj.py();
+    let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+    if failure.as_ref().is_some_and(|e| e.is_instance_of::<PyOverflowError>(py)) {
+        return Err(bad_argument(format!("{shown} is out of range: {} to {}", T::RANGE.0, T::RANGE.1)));
+    }
+    let kind = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+    let err = bad_argument(format!("expected an int, got {kind} {shown}"));
+    err.set_cause(py, failure);
+    Err(err)
 }
 
 /// `int` for an optional argument: None stays None.
