@@ -182,3 +182,37 @@ def test_loads_count_the_workers_load_jobs_alone_with_their_bytes_and_seconds() 
     worker.get_finished()
     assert loads.figures() == {"load_jobs": 1, "load_bytes": 4 << 30, "load_s": None, "load_gbs": None}
     assert serve.Loads(None).figures()["load_jobs"] == 0
+
+
+def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    def turn(s: float, runs: list[float], rates: list[float | None]) -> dict[str, object]:
+        gbs = sorted(r for r in rates if r)
+        return {"s": s, "runs_s": runs, "tier_hit_tokens": 64, "load_gbs": gbs[len(gbs) // 2] if gbs else None,
+                "runs_load_gbs": rates}  # fmt: skip
+
+    none = {
+        "config": "none",
+        "memcpy_h2d_gbs": 50.0,
+        "prefix": [
+            {
+                "length": 4096,
+                "prompts": 2,
+                "prefix_bytes": 10**9,
+                "gpu_hit": {"s": 0.1, "gpu_hit_tokens": 8192},
+                "turn2": {"s": 1.0},
+            }
+        ],
+    }
+    native = {
+        "config": "native",
+        "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.2, [0.21, 0.2, 0.19], [40, 50, 45])}],
+    }
+    lru = {"config": "kvtier-lru", "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.3, [0.3, 0.32], [None, None])}]}
+    rows = serve.summarize_prefix([none, native, lru])
+    assert rows[0]["floor_s"] == pytest.approx(0.12)
+    assert rows[0]["native"]["over_floor"] == pytest.approx(0.2 / 0.12)
+    serve.print_prefix(rows, ["none", "native", "kvtier-lru"])
+    out = capsys.readouterr().out
+    assert "turn-2 runs, seconds: native 0.190-0.210, kvtier-lru 0.300-0.320" in out
+    # Rates only where the worker timed its loads, each with its runs' range.
+    assert out.rstrip().endswith("medians, runs): native 45.0 (40.0-50.0)")

@@ -504,6 +504,8 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "over_floor": p["turn2"]["s"] / floor,
                     "tier_hit_tokens": p["turn2"]["tier_hit_tokens"],
                     "load_gbs": p["turn2"].get("load_gbs"),
+                    "turn2_runs_s": p["turn2"].get("runs_s", [p["turn2"]["s"]]),
+                    "runs_load_gbs": [g for g in p["turn2"].get("runs_load_gbs", []) if g],
                 }
         rows.append(row)
     return rows
@@ -524,10 +526,17 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
                 line += f" {v['turn2_s']:>8.3f} ({v['over_floor']:.2f}x fl)"
         print(line)
     for row in rows:
-        rates = [f"{c} {row[c]['load_gbs']:.1f}" for c in configs if c != "none" and row[c].get("load_gbs")]
+        kvs = [(c, row[c]) for c in configs if c != "none"]
+        runs = [f"{c} {min(v['turn2_runs_s']):.3f}-{max(v['turn2_runs_s']):.3f}" for c, v in kvs]
+        print(f"  {row['length']} x {row['prompts']}: turn-2 runs, seconds: {', '.join(runs)}")
+        rates = [f"{c} {v['load_gbs']:.1f} ({_spread(v['runs_load_gbs'])})" for c, v in kvs if v.get("load_gbs")]
         if rates:
             print(f"  {row['length']} x {row['prompts']}: turn-2 loads, GB/s in their copies (the worker's timing, "
-                  f"medians): {', '.join(rates)}")  # fmt: skip
+                  f"medians, runs): {', '.join(rates)}")  # fmt: skip
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
