@@ -164,16 +164,17 @@ def layer_tensors(gpu_pool: torch.Tensor | Sequence[torch.Tensor]) -> list[torch
 class PageCopier:
     """Copies pages between a GPU pool (torch tensors) and a :class:`HostPool` whose slot_bytes is the page size.
 
-    ``ctas`` bounds the kernel's grid of CUDA thread blocks (default 8, see docs/PERFORMANCE.md) so copies leave
-    the SMs to the model; ``threads`` is the CTA size (default 512). ``method`` is "auto" (default), "kernel" or
-    "dma". ``store_ctas`` and ``store_method`` (default: ``ctas`` and ``method``) are those of stores (GPU -> host)
-    when they differ from loads': stores run beside the model, loads on a request's critical path. ``piece_bytes``
-    bounds one copy-engine copy (segments contiguous on both sides merge into one piece up to it; a 2D copy takes
-    as many rows as fit; a segment is never cut; default: no bound): shorter copies let the engine's own copies on
-    the copy engines through sooner. The copy engine is never used on the legacy default stream, which it refuses,
-    nor where the driver lacks ``cudaMemcpyBatchAsync`` (``dma_available``): the kernel copies instead. The copier
-    holds references to the pool tensors and the host pool, so their memory lives as long as it does; the caller
-    keeps it (or them) alive until its last copy completes.
+    ``ctas`` bounds the kernel's grid of CUDA thread blocks (default 8, see docs/PERFORMANCE.md) so copies leave the
+    SMs to the model; ``threads`` is the CTA size (default 512). ``method`` is "auto" (default), "kernel" or "dma".
+    ``store_ctas`` and ``store_method`` (default: ``ctas`` and ``method``) are those of stores (GPU -> host) when
+    they differ from loads': stores run beside the model, loads on a request's critical path. ``piece_bytes`` bounds
+    one copy-engine copy (segments contiguous on both sides merge into one piece up to it; a 2D copy takes as many
+    rows as fit; a segment is never cut; default: no bound), for copy engines shared with the engine's own copies (2
+    MiB did not steady the copy engine's loads under vLLM, docs/VLLM.md). The copy engine is never used on the
+    legacy default stream, which it refuses, nor where the driver lacks ``cudaMemcpyBatchAsync``
+    (``dma_available``): the kernel copies instead. The copier holds references to the pool tensors and the host
+    pool, so their memory lives as long as it does; the caller keeps it (or them) alive until its last copy
+    completes.
     """
 
     def __init__(

@@ -148,8 +148,9 @@ pub struct CopyOptions {
     pub store_method: Method,
     pub crossover_bytes: u64,
     /// The most bytes one copy-engine copy takes: segments contiguous on both sides merge into one piece up to it,
-    /// and a 2D copy takes as many rows as fit in it (one at least; a segment is never cut for it). Shorter copies
-    /// let other copies on the copy engines (the engine's own) through sooner. `u64::MAX`: no bound.
+    /// and a 2D copy takes as many rows as fit in it (one at least; a segment is never cut for it), for copy engines
+    /// shared with the engine's own copies (2 MiB did not steady the copy engine's loads under vLLM). `u64::MAX`: no
+    /// bound.
     pub piece_bytes: u64,
     pub debug_sync: bool,
 }
