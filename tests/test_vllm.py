@@ -704,8 +704,10 @@ class Engine:
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
         from vllm.forward_context import ForwardContext
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
         from vllm.v1.request import Request
+
+        from kvtier.tools.bench.vllm import step_output
 
         params = SamplingParams(max_tokens=max_tokens)
         params.update_from_generation_config({}, TINY_OPT["eos_token_id"])
@@ -734,24 +736,13 @@ class Engine:
             sending, receiving = self.worker.get_finished(out.finished_req_ids)
             worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
             self.worker.clear_connector_metadata()
-            running = self.scheduler.running
-            output: dict[str, Any] = {
-                "req_ids": [r.request_id for r in running],
-                # A request whose prompt is not all computed yet (chunked prefill) samples nothing this step.
-                "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
-                "logprobs": None,
-                "prompt_logprobs_dict": {},
-                "pooler_output": None,
-                "kv_connector_output": KVConnectorOutput(
-                    finished_sending=sending,
-                    finished_recving=receiving,
-                    invalid_block_ids=set(),
-                    kv_connector_worker_meta=worker_meta,
-                ),
-            }
-            if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33
-                output["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
-            self.scheduler.update_from_output(out, ModelRunnerOutput(**output))
+            connector_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=receiving,
+                invalid_block_ids=set(),
+                kv_connector_worker_meta=worker_meta,
+            )
+            self.scheduler.update_from_output(out, step_output(self.scheduler.running, connector_output))
         raise AssertionError(f"request {req_id} did not finish in 100 steps")
 
 

@@ -175,15 +175,14 @@ def _scheduler(config: str, prompts: int, tokens: int, model: str) -> Any:
     return scheduler
 
 
-def _model_output(scheduler: Any, out: Any, connector: bool) -> Any:
-    """What a worker would return for the step ``out`` scheduled: a token for each request past its prompt, and
-    every store job of the step complete."""
+def step_output(running: Sequence[Any], kv_connector_output: Any = None) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of a step as a worker returns it: a token for each of the ``running`` requests
+    past its prompt (one whose prompt is not all computed yet, in chunked prefill, samples nothing), with the
+    connector's output when given."""
     import dataclasses
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
 
-    running = scheduler.running
     o: dict[str, Any] = {
         "req_ids": [r.request_id for r in running],
         "sampled_token_ids": [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running],
@@ -191,16 +190,30 @@ def _model_output(scheduler: Any, out: Any, connector: bool) -> Any:
         "prompt_logprobs_dict": {},
         "pooler_output": None,
     }
-    if connector:
-        worker = OffloadingWorkerMetadata()
-        for job in getattr(out.kv_connector_metadata, "store_jobs", {}):
-            worker.mark_completed(job)
-        o["kv_connector_output"] = KVConnectorOutput(
-            finished_sending=set(), finished_recving=set(), invalid_block_ids=set(), kv_connector_worker_meta=worker
-        )
+    if kv_connector_output is not None:
+        o["kv_connector_output"] = kv_connector_output
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33 on
         o["req_id_to_index"] = {r.request_id: i for i, r in enumerate(running)}
     return ModelRunnerOutput(**o)
+
+
+def _model_output(scheduler: Any, out: Any, connector: bool) -> Any:
+    """What a worker would return for the step ``out`` scheduled: ``step_output`` with every store job of the step
+    complete."""
+    if not connector:
+        return step_output(scheduler.running)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    worker = OffloadingWorkerMetadata()
+    for job in getattr(out.kv_connector_metadata, "store_jobs", {}):
+        worker.mark_completed(job)
+    return step_output(
+        scheduler.running,
+        KVConnectorOutput(
+            finished_sending=set(), finished_recving=set(), invalid_block_ids=set(), kv_connector_worker_meta=worker
+        ),
+    )
 
 
 def scheduler_steps(config: str, prompts: int, tokens: int) -> tuple[int, float]:
