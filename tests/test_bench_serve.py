@@ -135,8 +135,10 @@ def test_a_repeated_turn_is_its_median_with_every_run_kept() -> None:
     def run(s: float, tier: int, token: int) -> dict[str, object]:
         return {"s": s, "tokens": [[token]], "prompt_tokens": 64, "gpu_hit_tokens": 16, "tier_hit_tokens": tier}
 
-    out = serve.repeated([run(0.5, 48, 1), run(0.3, 48, 2), run(0.9, 32, 3)])
+    jobs = [{"kind": "load", "submit_ms": 1.0}]
+    out = serve.repeated([run(0.5, 48, 1), {**run(0.3, 48, 2), "jobs": jobs}, run(0.9, 32, 3)])
     assert out["s"] == 0.5 and out["runs_s"] == [0.5, 0.3, 0.9]
+    assert out["runs_jobs"] == [[], jobs, []], "each run's transfers, in run order"
     assert out["tokens"] == [[[1]], [[2]], [[3]]]
     # The fewest hit tokens of any run: one run that missed is not hidden by the others.
     assert (out["prompt_tokens"], out["gpu_hit_tokens"], out["tier_hit_tokens"]) == (64, 16, 32)
@@ -166,22 +168,42 @@ class _Worker:
         return done
 
 
-def test_loads_count_the_workers_load_jobs_alone_with_their_bytes_and_seconds() -> None:
+class _Spec:
+    def __init__(self, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+
+
+def test_transfers_sum_the_loads_alone_and_keep_every_jobs_timeline() -> None:
     worker = _Worker()
-    loads = serve.Loads(worker)
-    assert worker.submit_load(1, None, None) and worker.submit_store(2, None, None)
+    transfers = serve.Transfers(worker)
+    assert worker.submit_load(1, None, _Spec([7, 8, 9, 3])) and worker.submit_store(2, _Spec([5]), None)
     assert worker.submit_load(3, None, None)
     assert [r.job_id for r in worker.get_finished()] == [1, 2, 3], "the connector still gets every result"
-    f = loads.figures()
+    f = transfers.figures()
     assert (f["load_jobs"], f["load_bytes"]) == (2, 8 << 30) and f["load_s"] == pytest.approx(0.16)
     assert f["load_gbs"] == pytest.approx((8 << 30) / 0.16 / 1e9)
-    loads.clear()
-    worker.done.append(_Result(4, 1 << 20, None))  # a job it did not submit as a load: not counted
-    worker.submit_load(5, None, None)
+    jobs = f["jobs"]
+    assert [(j["kind"], j["blocks"], j["runs"], j["bytes"]) for j in jobs] == [
+        ("load", 4, 2, 4 << 30),  # the load's GPU blocks are its destination: 7-9, then 3
+        ("store", 1, 1, 1 << 30),  # the store's are its source
+        ("load", 0, 0, 4 << 30),
+    ]
+    assert [j["copy_ms"] for j in jobs] == pytest.approx([80.0, 500.0, 80.0])
+    assert all(0 <= j["submit_ms"] <= j["done_ms"] for j in jobs)
+    worker.submit_store(6, _Spec([1, 2]), None)  # submitted before the clear, seen done after it
+    transfers.clear()
+    worker.done.append(_Result(4, 1 << 20, None))  # a job it did not submit: not counted, not in the timeline
+    worker.submit_load(5, None, _Spec([4]))
     worker.done[-1].transfer_time = None  # an untimed load: no rate rather than a wrong one
     worker.get_finished()
-    assert loads.figures() == {"load_jobs": 1, "load_bytes": 4 << 30, "load_s": None, "load_gbs": None}
-    assert serve.Loads(None).figures()["load_jobs"] == 0
+    f = transfers.figures()
+    assert (f["load_jobs"], f["load_bytes"], f["load_s"], f["load_gbs"]) == (1, 4 << 30, None, None)
+    assert [(j["kind"], j["submit_ms"] < 0, j["copy_ms"]) for j in f["jobs"]] == [
+        ("store", True, pytest.approx(500.0)),
+        ("load", False, None),
+    ]
+    empty = serve.Transfers(None).figures()
+    assert (empty["load_jobs"], empty["jobs"]) == (0, [])
 
 
 def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pytest.CaptureFixture[str]) -> None:

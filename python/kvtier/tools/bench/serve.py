@@ -12,7 +12,9 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   hit plus the prefix bytes at memcpy speed. Turn 2 and the GPU hit run `--repeats` times (other new tokens each
   time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
-  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU).
+  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU). `--json` keeps each timed
+  turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, its GPU
+  blocks and their runs of consecutive ids, its bytes and its copies' ms.
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -28,6 +30,7 @@ Needs vLLM (0.25.1 through 0.34; the GPU machine's torch pins 0.25.1), a CUDA GP
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -178,50 +181,92 @@ def offloading_worker() -> Any | None:
     return getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
 
 
-class Loads:
-    """An offloading worker's loads (vLLM runs its worker in this process): the jobs ``submit_load`` started, and
-    the bytes and seconds the worker reported for them (vLLM's ``TransferResult``: what its transfer metrics record;
-    native's and kvtier's workers both time their copies on the GPU). No worker: nothing is counted."""
+def _gpu_blocks(spec: Any) -> tuple[int, int]:
+    """The GPU blocks of a transfer's GPU-side spec: how many, and in how many runs of consecutive ids."""
+    ids = getattr(spec, "block_ids", None)
+    if ids is None or len(ids) == 0:
+        return 0, 0
+    ids = [int(b) for b in ids]
+    return len(ids), 1 + sum(b != a + 1 for a, b in itertools.pairwise(ids))
+
+
+class Transfers:
+    """An offloading worker's transfers (vLLM runs its worker in this process): the jobs ``submit_load`` and
+    ``submit_store`` started, and the bytes and seconds the worker reported for them (vLLM's ``TransferResult``: what
+    its transfer metrics record; native's and kvtier's workers both time their copies on the GPU). ``figures``
+    sums the loads; ``timeline`` lists every job completed since the last ``clear``, in the order the worker reported
+    them: its direction, when it was submitted and seen done (ms after the ``clear``; a job submitted before it has a
+    negative ``submit_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms. No
+    worker: nothing is counted."""
 
     def __init__(self, worker: Any | None) -> None:
-        self.ids: set[int] = set()
+        self.submitted: dict[int, tuple[str, float, int, int]] = {}
         self.clear()
         if worker is None:
             return
-        submit_load, get_finished = worker.submit_load, worker.get_finished
+        submit_load, submit_store, get_finished = worker.submit_load, worker.submit_store, worker.get_finished
 
-        def watched_submit(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.ids.add(job_id)
+        # submit_store(job_id, src_spec, dst_spec) / submit_load(job_id, src_spec, dst_spec): the GPU side is a
+        # store's source and a load's destination.
+        def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
+            gpu = args[1] if len(args) > 1 else kwargs.get("dst_spec")
+            self.submitted[job_id] = ("load", time.perf_counter(), *_gpu_blocks(gpu))
             return submit_load(job_id, *args, **kwargs)
+
+        def watched_store(job_id: int, *args: Any, **kwargs: Any) -> Any:
+            gpu = args[0] if args else kwargs.get("src_spec")
+            self.submitted[job_id] = ("store", time.perf_counter(), *_gpu_blocks(gpu))
+            return submit_store(job_id, *args, **kwargs)
 
         def watched_finished() -> Any:
             results = get_finished()
+            now = time.perf_counter()
             for r in results:
-                if r.job_id in self.ids:
-                    self.ids.discard(r.job_id)
+                job = self.submitted.pop(r.job_id, None)
+                if job is None:
+                    continue
+                kind, at, blocks, runs = job
+                size = int(r.transfer_size or 0)
+                seconds = None if r.transfer_time is None else float(r.transfer_time)
+                self.timeline.append(
+                    {
+                        "kind": kind,
+                        "submit_ms": 1e3 * (at - self.t0),
+                        "done_ms": 1e3 * (now - self.t0),
+                        "blocks": blocks,
+                        "runs": runs,
+                        "bytes": size,
+                        "copy_ms": None if seconds is None else 1e3 * seconds,
+                    }
+                )
+                if kind == "load":
                     self.jobs += 1
-                    self.bytes += int(r.transfer_size or 0)
-                    if r.transfer_time is not None:
-                        self.seconds += float(r.transfer_time)
+                    self.bytes += size
+                    if seconds is not None:
+                        self.seconds += seconds
                         self.timed += 1
             return results
 
-        worker.submit_load = watched_submit
+        worker.submit_load = watched_load
+        worker.submit_store = watched_store
         worker.get_finished = watched_finished
 
     def clear(self) -> None:
         self.jobs = self.timed = self.bytes = 0
         self.seconds = 0.0
+        self.timeline: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
 
     def figures(self) -> dict[str, Any]:
         """Load jobs completed since the last clear, their bytes, the sum of their copies' seconds (None unless
-        every job was timed) and bytes over that sum (GB/s)."""
+        every job was timed) and bytes over that sum (GB/s); and the ``timeline`` of every job."""
         seconds = self.seconds if self.jobs and self.timed == self.jobs else None
         return {
             "load_jobs": self.jobs,
             "load_bytes": self.bytes,
             "load_s": seconds,
             "load_gbs": self.bytes / seconds / 1e9 if seconds else None,
+            "jobs": list(self.timeline),
         }
 
 
@@ -229,12 +274,12 @@ class Hits:
     """Runs prompts and counts the prompt tokens each call found cached: in all (vLLM's ``num_cached_tokens`` of
     each request) and from the offloading tier (what the connector's ``get_num_new_matched_tokens`` gave vLLM's
     scheduler, watched in this process); the rest came from vLLM's GPU prefix cache. With an offloading tier, also
-    the bytes and seconds of its loads (``Loads``)."""
+    the bytes and seconds of its loads and the timeline of its transfers (``Transfers``)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.external: dict[str, int] = {}
-        self.loads = Loads(offloading_worker())
+        self.transfers = Transfers(offloading_worker())
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         connector = getattr(getattr(core, "scheduler", None), "connector", None)
         # The offloading manager (scheduler side), to wait for its work after a turn (drain).
@@ -257,7 +302,7 @@ class Hits:
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         self.external.clear()
-        self.loads.clear()
+        self.transfers.clear()
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -269,7 +314,7 @@ class Hits:
             "prompt_tokens": sum(map(len, prompts)),
             "gpu_hit_tokens": cached - tier,
             "tier_hit_tokens": tier,
-            **self.loads.figures(),
+            **self.transfers.figures(),
         }
 
 
@@ -305,7 +350,8 @@ def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
 
 def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs of one timed turn as one: the median seconds (``s``), each run's seconds and token ids, the fewest
-    tokens any run took from the GPU and from the offloading tier, and the median rate of the tier's loads."""
+    tokens any run took from the GPU and from the offloading tier, the median rate of the tier's loads and each
+    run's rate and timeline of transfers (``Transfers``)."""
     rates = [r["load_gbs"] for r in runs if r.get("load_gbs")]
     return {
         "s": statistics.median(r["s"] for r in runs),
@@ -316,6 +362,7 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tier_hit_tokens": min(r["tier_hit_tokens"] for r in runs),
         "load_gbs": statistics.median(rates) if len(rates) == len(runs) else None,
         "runs_load_gbs": [r.get("load_gbs") for r in runs],
+        "runs_jobs": [r.get("jobs", []) for r in runs],
     }
 
 
