@@ -226,8 +226,6 @@ class Transfers:
                 if job is None:
                     continue
                 kind, at, blocks, runs = job
-                size = int(r.transfer_size or 0)
-                seconds = None if r.transfer_time is None else float(r.transfer_time)
                 self.timeline.append(
                     {
                         "kind": kind,
@@ -235,16 +233,10 @@ class Transfers:
                         "done_ms": 1e3 * (now - self.t0),
                         "blocks": blocks,
                         "runs": runs,
-                        "bytes": size,
-                        "copy_ms": None if seconds is None else 1e3 * seconds,
+                        "bytes": int(r.transfer_size or 0),
+                        "copy_ms": None if r.transfer_time is None else 1e3 * float(r.transfer_time),
                     }
                 )
-                if kind == "load":
-                    self.jobs += 1
-                    self.bytes += size
-                    if seconds is not None:
-                        self.seconds += seconds
-                        self.timed += 1
             return results
 
         worker.submit_load = watched_load
@@ -252,20 +244,21 @@ class Transfers:
         worker.get_finished = watched_finished
 
     def clear(self) -> None:
-        self.jobs = self.timed = self.bytes = 0
-        self.seconds = 0.0
         self.timeline: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
 
     def figures(self) -> dict[str, Any]:
         """Load jobs completed since the last clear, their bytes, the sum of their copies' seconds (None unless
         every job was timed) and bytes over that sum (GB/s); and the ``timeline`` of every job."""
-        seconds = self.seconds if self.jobs and self.timed == self.jobs else None
+        loads = [j for j in self.timeline if j["kind"] == "load"]
+        size = sum(j["bytes"] for j in loads)
+        timed = bool(loads) and all(j["copy_ms"] is not None for j in loads)
+        seconds = sum(j["copy_ms"] for j in loads) / 1e3 if timed else None
         return {
-            "load_jobs": self.jobs,
-            "load_bytes": self.bytes,
+            "load_jobs": len(loads),
+            "load_bytes": size,
             "load_s": seconds,
-            "load_gbs": self.bytes / seconds / 1e9 if seconds else None,
+            "load_gbs": size / seconds / 1e9 if seconds else None,
             "jobs": list(self.timeline),
         }
 
