@@ -105,11 +105,12 @@ SETTING_KEYS = scope_names(VLLM)
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 # Index.key_state's answers for a key with no page on the host and one whose page is ready.
 _ABSENT, _READY = 0, 2
-# The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. Under vLLM 0.25.1 on an H100
+# The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. Under vLLM 0.25.1 on H100s
 # (8B shape; vLLM lays the KV cache out across layers for the offloading connector, a block's 32 layers in one
-# 2 MiB page), the kernel's loads ran at a steady 33 GB/s (a kernel reads host memory at about 34 GB/s there, whatever
-# its grid), the copy engine's at 25-52 GB/s from one turn to the next (native's at 53), and copy-engine stores cost a
-# no-reuse run 7-11% of its throughput against 1.6-3% for the kernel's (docs/VLLM.md, "Serving a model").
+# 2 MiB page), the kernel's loads ran at a steady 33 GB/s on one machine and 51 on another (the host's ceiling for a
+# kernel reading its memory), the copy engine's at 16-55 GB/s by the load's blocks (each copy cost about 90 µs more
+# than outside vLLM; native's loads at 53), and copy-engine stores cost a no-reuse run 7-11% of its throughput against
+# 1.6-3% for the kernel's (docs/VLLM.md, "Serving a model").
 WORKER_COPY_METHOD = "kernel"
 # The worker's kernel grid bound for stores unless set otherwise: stores run beside the model's GEMMs, and each CTA
 # they hold is an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took

@@ -1,0 +1,139 @@
+"""The rate of one 512 MiB load (256 pages of 2 MiB, host -> GPU) by the pattern of its GPU blocks.
+
+Under vLLM the copy engine's loads ran slower the more copies a load made (docs/VLLM.md, "Runs H and I"). This
+measures the same loads outside any engine: GPU block ids in one run, descending, scattered, in a few long runs or in
+pairs, from host slots in order or scattered; by the copy engine (pieces merged where blocks and slots are both
+consecutive, or one 2 MiB piece a page), by the kernel, and by torch's own per-page copies as a reference; alone,
+then beside engine-like work on another stream (bf16 GEMMs and small host -> GPU copies). Each figure is the median
+of five timed loads (timing events on the copy's stream). ``--host-gib``, ``--pin-step-mib`` and ``--pin-method``
+make the host pool: its size, the steps it is pinned in and how (a vLLM worker's pool is vLLM's offloading size,
+pinned in 256 MiB steps by default). Needs a GPU:
+
+    python benches/load_patterns.py [--host-gib 2] [--pin-step-mib 256] [--pin-method auto] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+
+import numpy as np
+import torch
+
+from kvtier._core import HostPool
+from kvtier.copy import PageCopier, host_array
+
+PAGE = 2 << 20
+PAGES = 256
+GPU_BLOCKS = 4000
+
+
+def gpu_patterns(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def in_pairs(pairs: int) -> np.ndarray:
+        singles = np.sort(rng.choice(np.arange(0, GPU_BLOCKS - 2, 3), PAGES - pairs, replace=False))
+        seconds = singles[rng.choice(len(singles), pairs, replace=False)] + 1
+        return np.sort(np.concatenate([singles, seconds]))[:PAGES]
+
+    return {
+        "one run": np.arange(100, 100 + PAGES),
+        "descending": np.arange(99 + PAGES, 99, -1),
+        "scattered, sorted": np.sort(rng.choice(GPU_BLOCKS, PAGES, replace=False)),
+        "scattered, 14 pairs": in_pairs(14),
+        "4 runs": np.concatenate([np.arange(s, s + 64) for s in (3000, 200, 1500, 800)]),
+        "20 runs": np.concatenate([np.arange(s, s + 13) for s in range(0, 20 * 40, 40)])[:PAGES],
+    }
+
+
+def engine_work(stop: threading.Event) -> None:
+    """GEMMs and small pinned host -> GPU copies on a stream of their own until ``stop``."""
+    stream = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.zeros(64 << 10, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(small, device="cuda")
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            for _ in range(8):
+                dst.copy_(small, non_blocking=True)
+                a = (a @ a).clamp_(-1, 1)
+            stream.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host-gib", type=float, default=2.0, help="the host pool's size")
+    parser.add_argument("--pin-step-mib", type=int, default=256, help="the host pool's pin step")
+    parser.add_argument("--pin-method", choices=("auto", "driver", "register"), default="auto")
+    parser.add_argument("--json", metavar="FILE", help="write every row here as well")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    rng = np.random.default_rng(0)
+    gpu = torch.empty((GPU_BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
+    host_slots = int(args.host_gib * (1 << 30)) // PAGE
+    if host_slots < PAGES:
+        raise SystemExit(f"--host-gib {args.host_gib} holds {host_slots} pages of 2 MiB; a load takes {PAGES}")
+    host = HostPool(host_slots, PAGE, step_bytes=args.pin_step_mib << 20, pin=True, pin_method=args.pin_method)
+    host.grow_to(host_slots)
+    host_pages = torch.from_numpy(host_array(host))
+    slot_patterns = {
+        "in order": np.arange(PAGES, dtype=np.int32),
+        "scattered": rng.choice(host_slots, PAGES, replace=False).astype(np.int32),
+    }
+    methods = {
+        "copy engine": PageCopier(gpu, host, method="dma"),
+        "copy engine, 2 MiB pieces": PageCopier(gpu, host, method="dma", piece_bytes=PAGE),
+        "kernel": PageCopier(gpu, host, method="kernel"),
+        "torch, a copy a page": None,
+    }
+    stream = torch.cuda.Stream()
+    rows = []
+
+    def measure(beside: str) -> None:
+        for pattern, ids in gpu_patterns(np.random.default_rng(1)).items():
+            ids = ids.astype(np.int32)
+            runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
+            for slots_name, slots in slot_patterns.items():
+                for method, copier in methods.items():
+                    rates = []
+                    for _ in range(6):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record(stream)
+                        if copier is None:
+                            with torch.cuda.stream(stream):
+                                for g, h in zip(ids.tolist(), slots.tolist(), strict=True):
+                                    gpu[g].copy_(host_pages[h], non_blocking=True)
+                        else:
+                            copier.to_gpu(slots, ids, stream=stream)
+                        end.record(stream)
+                        end.synchronize()
+                        rates.append(PAGES * PAGE / start.elapsed_time(end) / 1e6)
+                    row = {
+                        "beside": beside,
+                        "gpu_blocks": pattern,
+                        "runs": runs,
+                        "host_slots": slots_name,
+                        "method": method,
+                        "gbs": round(statistics.median(rates[1:]), 1),
+                    }
+                    rows.append(row)
+                    gbs = row["gbs"]
+                    print(f"{beside:11} {pattern:19} {runs:3} runs, slots {slots_name:9} {method:25} {gbs:5.1f} GB/s")
+
+    measure("alone")
+    stop = threading.Event()
+    worker = threading.Thread(target=engine_work, args=(stop,))
+    worker.start()
+    try:
+        measure("engine work")
+    finally:
+        stop.set()
+        worker.join()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
