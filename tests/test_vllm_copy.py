@@ -5,6 +5,7 @@ manager chose, on CPU tensors and (marked gpu) on CUDA tensors through kvtier's 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -91,6 +92,17 @@ def test_byte_rows_views_each_block_in_place() -> None:
         byte_rows(t.transpose(1, 2)[0], "kt")
     with pytest.raises(TypeError, match="torch.Tensor"):
         byte_rows(np.zeros((4, 16)), "np")
+
+
+def test_the_worker_says_how_its_host_pool_is_pinned_and_copied(caplog: pytest.LogCaptureFixture) -> None:
+    tensors = blocks_first_layers(2, 16, "cpu")
+    with caplog.at_level(logging.INFO, logger="kvtier.vllm"):
+        copier = ChunkCopier(tensors, [[0, 1]], num_chunks=4, copy_options={"method": "kernel", "store_method": "dma"})
+    page = 2 * tensors[0][0].numel() * tensors[0].element_size()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm"]
+    assert f"a host pool of 4 pages of {page} bytes on cpu, pinned: none in " in line
+    assert line.endswith("loads by kernel, stores by dma")
+    copier.close()
 
 
 def test_bad_numbers_are_refused_naming_them() -> None:

@@ -101,6 +101,19 @@ class ChunkCopier:
         self.group_runs = [self._group_runs(g, tensor_ids, place, len(rows)) for g, tensor_ids in enumerate(groups)]
         self._cuda = self.device.type == "cuda"
         self._jobs = JobCopier([c.core for c in self.copiers], copy_streams)
+        for pool, copier in zip(self.host_pools, self.copiers, strict=True):
+            # What a deployment checks first when copies run slow: how the pool was pinned, and by what it copies.
+            log.info(
+                "kvtier worker: a host pool of %d pages of %d bytes on %s, pinned: %s in %d-byte steps; loads by %s, "
+                "stores by %s",
+                pool.slots,
+                pool.slot_bytes,
+                self.device,
+                pool.pinning,
+                pool.step_bytes,
+                copier.method,
+                copier.store_method,
+            )
 
     def _make_copiers(
         self, rows: list[Any], copy_options: Mapping[str, Any], pin_method: str, pin_step_bytes: int | None
