@@ -238,3 +238,44 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     assert "turn-2 runs, seconds: native 0.190-0.210, kvtier-lru 0.300-0.320" in out
     # Rates only where the worker timed its loads, each with its runs' range.
     assert out.rstrip().endswith("medians, runs): native 45.0 (40.0-50.0)")
+
+
+def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_path: Path, monkeypatch) -> None:
+    import logging.config
+    import subprocess
+    import sys
+
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, timeout, env):
+        path = env["VLLM_LOGGING_CONFIG_PATH"]
+        if Path(path).exists():
+            seen["config"] = json.loads(Path(path).read_text())
+        seen["path"] = path
+        payload = json.loads(cmd[-1])
+        Path(payload["out"]).write_text(json.dumps({"config": payload["config"], "workload": payload["workload"]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.setattr(serve.subprocess, "run", fake_run)
+    log = tmp_path / "engine.log"
+    result = serve._spawn("kvtier-lru", "prefix", {}, str(log))
+    assert result == {"config": "kvtier-lru", "workload": "prefix"}
+    config = seen["config"]
+    assert config["loggers"]["kvtier"]["level"] == "INFO" and config["loggers"]["vllm"]["level"] == "INFO"
+    assert not Path(seen["path"]).exists()  # removed once the configuration's process ended
+    # A config logging can take, whose kvtier lines reach the engine log's stream.
+    logging.config.dictConfig(config)
+    try:
+        assert logging.getLogger("kvtier.vllm").isEnabledFor(logging.INFO)
+        assert logging.getLogger("kvtier").handlers[0].stream is sys.stdout
+    finally:
+        for name in ("kvtier", "vllm"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+    # A deployment's own config is left as it is.
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/mine.json")
+    serve._spawn("kvtier-lru", "prefix", {}, str(log))
+    assert seen["path"] == "/etc/mine.json"

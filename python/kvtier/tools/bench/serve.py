@@ -479,18 +479,42 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
 # ---- the parent: one process a configuration, then the checks and the table ------------------------------------
 
 
+def engine_log_config() -> dict[str, Any]:
+    """A logging config (``logging.config.dictConfig``) for vLLM's ``VLLM_LOGGING_CONFIG_PATH``: vLLM's log and
+    kvtier's (the worker's start, the Mooncake tier's failures), INFO and up, on stdout: the engine log."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout", "level": "INFO"}
+    logger = {"handlers": ["engine"], "level": "INFO", "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s:%(lineno)d] %(message)s"}},
+        "handlers": {"engine": handler},
+        "loggers": {"vllm": logger, "kvtier": dict(logger)},
+    }
+
+
 def _spawn(config: str, workload: str, args: dict[str, Any], log: str | None) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w+", suffix=".json", delete=False) as f:
         result_path = f.name
     payload = json.dumps({"config": config, "workload": workload, "args": args, "out": result_path})
     cmd = [sys.executable, "-m", "kvtier.tools.bench.serve", "--child", payload]
+    env = dict(os.environ)
+    log_config = None
+    if log and "VLLM_LOGGING_CONFIG_PATH" not in env:
+        # vLLM's engine processes read it at start: kvtier's own log lines reach the engine log beside vLLM's.
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cf:
+            json.dump(engine_log_config(), cf)
+        log_config = env["VLLM_LOGGING_CONFIG_PATH"] = cf.name
     with open(log or os.devnull, "a") as logf:
         logf.write(f"==== {config} {workload}\n")
         logf.flush()
         try:
-            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S).returncode
+            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S, env=env).returncode
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"configuration {config} ({workload}) ran past {CHILD_TIMEOUT_S} s; see {log}") from None
+        finally:
+            if log_config:
+                os.unlink(log_config)
     try:
         if rc != 0:
             raise RuntimeError(f"configuration {config} ({workload}) failed with exit status {rc}; see {log}")
