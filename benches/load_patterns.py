@@ -5,11 +5,13 @@ measures the same loads outside any engine: GPU block ids in one run, descending
 pairs, from host slots in order or scattered; by the copy engine (pieces merged where blocks and slots are both
 consecutive, or one 2 MiB piece a page), by the kernel, and by torch's own per-page copies as a reference; alone,
 then beside engine-like work on another stream (bf16 GEMMs and small host -> GPU copies). Each figure is the median
-of five timed loads (timing events on the copy's stream). ``--host-gib``, ``--pin-step-mib`` and ``--pin-method``
-make the host pool: its size, the steps it is pinned in and how (a vLLM worker's pool is vLLM's offloading size,
-pinned in 256 MiB steps by default). Needs a GPU:
+of five timed loads (timing events on the copy's stream), each waited for before the next; then every pattern's load
+is submitted back to back on one stream, as an engine's worker submits a turn's loads, each timed by its own events.
+``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the GPU); ``--host-gib``, ``--pin-step-mib`` and
+``--pin-method`` make the host pool: its size, the steps it is pinned in and how (a vLLM worker's pool is vLLM's
+offloading size, pinned in 256 MiB steps by default). Needs a GPU:
 
-    python benches/load_patterns.py [--host-gib 2] [--pin-step-mib 256] [--pin-method auto] [--json FILE]
+    python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto] [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,19 +29,18 @@ from kvtier.copy import PageCopier, host_array
 
 PAGE = 2 << 20
 PAGES = 256
-GPU_BLOCKS = 4000
 
 
-def gpu_patterns(rng: np.random.Generator) -> dict[str, np.ndarray]:
+def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndarray]:
     def in_pairs(pairs: int) -> np.ndarray:
-        singles = np.sort(rng.choice(np.arange(0, GPU_BLOCKS - 2, 3), PAGES - pairs, replace=False))
+        singles = np.sort(rng.choice(np.arange(0, gpu_blocks - 2, 3), PAGES - pairs, replace=False))
         seconds = singles[rng.choice(len(singles), pairs, replace=False)] + 1
         return np.sort(np.concatenate([singles, seconds]))[:PAGES]
 
     return {
         "one run": np.arange(100, 100 + PAGES),
         "descending": np.arange(99 + PAGES, 99, -1),
-        "scattered, sorted": np.sort(rng.choice(GPU_BLOCKS, PAGES, replace=False)),
+        "scattered, sorted": np.sort(rng.choice(gpu_blocks, PAGES, replace=False)),
         "scattered, 14 pairs": in_pairs(14),
         "4 runs": np.concatenate([np.arange(s, s + 64) for s in (3000, 200, 1500, 800)]),
         "20 runs": np.concatenate([np.arange(s, s + 13) for s in range(0, 20 * 40, 40)])[:PAGES],
@@ -62,6 +63,7 @@ def engine_work(stop: threading.Event) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu-gib", type=float, default=8.0, help="the GPU block pool's size")
     parser.add_argument("--host-gib", type=float, default=2.0, help="the host pool's size")
     parser.add_argument("--pin-step-mib", type=int, default=256, help="the host pool's pin step")
     parser.add_argument("--pin-method", choices=("auto", "driver", "register"), default="auto")
@@ -70,7 +72,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     rng = np.random.default_rng(0)
-    gpu = torch.empty((GPU_BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
+    gpu_blocks = int(args.gpu_gib * (1 << 30)) // PAGE
+    if gpu_blocks < 4000:
+        raise SystemExit(f"--gpu-gib {args.gpu_gib} holds {gpu_blocks} blocks of 2 MiB; the patterns reach block 3999")
+    gpu = torch.empty((gpu_blocks, PAGE), dtype=torch.uint8, device="cuda")
     host_slots = int(args.host_gib * (1 << 30)) // PAGE
     if host_slots < PAGES:
         raise SystemExit(f"--host-gib {args.host_gib} holds {host_slots} pages of 2 MiB; a load takes {PAGES}")
@@ -91,7 +96,7 @@ def main() -> None:
     rows = []
 
     def measure(beside: str) -> None:
-        for pattern, ids in gpu_patterns(np.random.default_rng(1)).items():
+        for pattern, ids in gpu_patterns(np.random.default_rng(1), gpu_blocks).items():
             ids = ids.astype(np.int32)
             runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
             for slots_name, slots in slot_patterns.items():
@@ -121,7 +126,43 @@ def main() -> None:
                     gbs = row["gbs"]
                     print(f"{beside:11} {pattern:19} {runs:3} runs, slots {slots_name:9} {method:25} {gbs:5.1f} GB/s")
 
+    def measure_queued() -> None:
+        patterns = {
+            name: ids.astype(np.int32) for name, ids in gpu_patterns(np.random.default_rng(1), gpu_blocks).items()
+        }
+        for slots_name, slots in slot_patterns.items():
+            for method, copier in methods.items():
+                if copier is None:
+                    continue
+                rates: dict[str, list[float]] = {name: [] for name in patterns}
+                for _ in range(4):
+                    events = []
+                    for ids in patterns.values():
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record(stream)
+                        copier.to_gpu(slots, ids, stream=stream)
+                        end.record(stream)
+                        events.append((start, end))
+                    stream.synchronize()
+                    for name, (start, end) in zip(patterns, events, strict=True):
+                        rates[name].append(PAGES * PAGE / start.elapsed_time(end) / 1e6)
+                for name, ids in patterns.items():
+                    runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
+                    gbs = round(statistics.median(rates[name][1:]), 1)
+                    rows.append(
+                        {
+                            "beside": "queued",
+                            "gpu_blocks": name,
+                            "runs": runs,
+                            "host_slots": slots_name,
+                            "method": method,
+                            "gbs": gbs,
+                        }
+                    )
+                    print(f"{'queued':11} {name:19} {runs:3} runs, slots {slots_name:9} {method:25} {gbs:5.1f} GB/s")
+
     measure("alone")
+    measure_queued()
     stop = threading.Event()
     worker = threading.Thread(target=engine_work, args=(stop,))
     worker.start()
