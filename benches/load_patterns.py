@@ -5,11 +5,11 @@ measures the same loads outside any engine: GPU block ids in one run, descending
 pairs, from host slots in order or scattered; by the copy engine (pieces merged where blocks and slots are both
 consecutive, or one 2 MiB piece a page), by the kernel, and by torch's own per-page copies as a reference; alone,
 then beside engine-like work on another stream (bf16 GEMMs and small host -> GPU copies). Each figure is the median
-of five timed loads (timing events on the copy's stream), each waited for before the next; then every pattern's load
-is submitted back to back on one stream, as an engine's worker submits a turn's loads, each timed by its own events.
-``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the GPU); ``--host-gib``, ``--pin-step-mib`` and
-``--pin-method`` make the host pool: its size, the steps it is pinned in and how (a vLLM worker's pool is vLLM's
-offloading size, pinned in 256 MiB steps by default). Needs a GPU:
+of five timed loads (the rate by timing events on the copy's stream, the submit's time on the host), each waited for
+before the next; then every pattern's load is submitted back to back on one stream, as an engine's worker submits a
+turn's loads, each timed by its own events. ``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the
+GPU); ``--host-gib``, ``--pin-step-mib`` and ``--pin-method`` make the host pool: its size, the steps it is pinned in
+and how (a vLLM worker's pool is vLLM's offloading size, pinned in 256 MiB steps by default). Needs a GPU:
 
     python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto] [--json FILE]
 """
@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import threading
+import time
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndar
         seconds = singles[rng.choice(len(singles), pairs, replace=False)] + 1
         return np.sort(np.concatenate([singles, seconds]))[:PAGES]
 
-    return {
+    patterns = {
         "one run": np.arange(100, 100 + PAGES),
         "descending": np.arange(99 + PAGES, 99, -1),
         "scattered, sorted": np.sort(rng.choice(gpu_blocks, PAGES, replace=False)),
@@ -45,6 +46,7 @@ def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndar
         "4 runs": np.concatenate([np.arange(s, s + 64) for s in (3000, 200, 1500, 800)]),
         "20 runs": np.concatenate([np.arange(s, s + 13) for s in range(0, 20 * 40, 40)])[:PAGES],
     }
+    return {name: ids.astype(np.int32) for name, ids in patterns.items()}
 
 
 def engine_work(stop: threading.Event) -> None:
@@ -95,71 +97,66 @@ def main() -> None:
     stream = torch.cuda.Stream()
     rows = []
 
+    def load(
+        copier: PageCopier | None, ids: np.ndarray, slots: np.ndarray
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event, float]:
+        """Submits one load on ``stream`` between timing events; returns them and the submit's host seconds."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        t0 = time.perf_counter()
+        if copier is None:
+            with torch.cuda.stream(stream):
+                for g, h in zip(ids.tolist(), slots.tolist(), strict=True):
+                    gpu[g].copy_(host_pages[h], non_blocking=True)
+        else:
+            copier.to_gpu(slots, ids, stream=stream)
+        submit = time.perf_counter() - t0
+        end.record(stream)
+        return start, end, submit
+
+    def record(beside: str, pattern: str, ids: np.ndarray, slots: str, method: str, timed: list[tuple]) -> None:
+        """One row: the median rate (GB/s, by the events) and submit time (ms, on the host) of the timed loads."""
+        runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
+        gbs = round(statistics.median(PAGES * PAGE / s.elapsed_time(e) / 1e6 for s, e, _ in timed), 1)
+        submit_ms = round(statistics.median(t * 1e3 for _, _, t in timed), 2)
+        rows.append(
+            {
+                "beside": beside,
+                "gpu_blocks": pattern,
+                "runs": runs,
+                "host_slots": slots,
+                "method": method,
+                "gbs": gbs,
+                "submit_ms": submit_ms,
+            }
+        )
+        print(
+            f"{beside:11} {pattern:19} {runs:3} runs, slots {slots:9} {method:25} {gbs:5.1f} GB/s {submit_ms:6.2f} ms"
+        )
+
     def measure(beside: str) -> None:
         for pattern, ids in gpu_patterns(np.random.default_rng(1), gpu_blocks).items():
-            ids = ids.astype(np.int32)
-            runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
             for slots_name, slots in slot_patterns.items():
                 for method, copier in methods.items():
-                    rates = []
+                    timed = []
                     for _ in range(6):
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record(stream)
-                        if copier is None:
-                            with torch.cuda.stream(stream):
-                                for g, h in zip(ids.tolist(), slots.tolist(), strict=True):
-                                    gpu[g].copy_(host_pages[h], non_blocking=True)
-                        else:
-                            copier.to_gpu(slots, ids, stream=stream)
-                        end.record(stream)
-                        end.synchronize()
-                        rates.append(PAGES * PAGE / start.elapsed_time(end) / 1e6)
-                    row = {
-                        "beside": beside,
-                        "gpu_blocks": pattern,
-                        "runs": runs,
-                        "host_slots": slots_name,
-                        "method": method,
-                        "gbs": round(statistics.median(rates[1:]), 1),
-                    }
-                    rows.append(row)
-                    gbs = row["gbs"]
-                    print(f"{beside:11} {pattern:19} {runs:3} runs, slots {slots_name:9} {method:25} {gbs:5.1f} GB/s")
+                        timed.append(load(copier, ids, slots))
+                        timed[-1][1].synchronize()
+                    record(beside, pattern, ids, slots_name, method, timed[1:])
 
     def measure_queued() -> None:
-        patterns = {
-            name: ids.astype(np.int32) for name, ids in gpu_patterns(np.random.default_rng(1), gpu_blocks).items()
-        }
+        patterns = gpu_patterns(np.random.default_rng(1), gpu_blocks)
         for slots_name, slots in slot_patterns.items():
             for method, copier in methods.items():
                 if copier is None:
                     continue
-                rates: dict[str, list[float]] = {name: [] for name in patterns}
+                timed: dict[str, list[tuple]] = {name: [] for name in patterns}
                 for _ in range(4):
-                    events = []
-                    for ids in patterns.values():
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record(stream)
-                        copier.to_gpu(slots, ids, stream=stream)
-                        end.record(stream)
-                        events.append((start, end))
+                    for name, ids in patterns.items():
+                        timed[name].append(load(copier, ids, slots))
                     stream.synchronize()
-                    for name, (start, end) in zip(patterns, events, strict=True):
-                        rates[name].append(PAGES * PAGE / start.elapsed_time(end) / 1e6)
                 for name, ids in patterns.items():
-                    runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
-                    gbs = round(statistics.median(rates[name][1:]), 1)
-                    rows.append(
-                        {
-                            "beside": "queued",
-                            "gpu_blocks": name,
-                            "runs": runs,
-                            "host_slots": slots_name,
-                            "method": method,
-                            "gbs": gbs,
-                        }
-                    )
-                    print(f"{'queued':11} {name:19} {runs:3} runs, slots {slots_name:9} {method:25} {gbs:5.1f} GB/s")
+                    record("queued", name, ids, slots_name, method, timed[name][1:])
 
     measure("alone")
     measure_queued()
