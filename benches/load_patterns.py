@@ -9,9 +9,11 @@ of five timed loads (the rate by timing events on the copy's stream, the submit'
 before the next; then every pattern's load is submitted back to back on one stream, as an engine's worker submits a
 turn's loads, each timed by its own events. ``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the
 GPU); ``--host-gib``, ``--pin-step-mib`` and ``--pin-method`` make the host pool: its size, the steps it is pinned in
-and how (a vLLM worker's pool is vLLM's offloading size, pinned in 256 MiB steps by default). Needs a GPU:
+and how (a vLLM worker's pool is vLLM's offloading size, pinned in 256 MiB steps by default); ``--allocations``
+makes that many small pinned host and GPU tensors first, as an engine's process holds. Needs a GPU:
 
-    python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto] [--json FILE]
+    python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto]
+        [--allocations 0] [--json FILE]
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def main() -> None:
     parser.add_argument("--host-gib", type=float, default=2.0, help="the host pool's size")
     parser.add_argument("--pin-step-mib", type=int, default=256, help="the host pool's pin step")
     parser.add_argument("--pin-method", choices=("auto", "driver", "register"), default="auto")
+    parser.add_argument(
+        "--allocations",
+        type=int,
+        default=0,
+        help="this many small pinned host tensors and GPU tensors made first, as an engine's process holds",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row here as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -78,6 +86,14 @@ def main() -> None:
     if gpu_blocks < 4000:
         raise SystemExit(f"--gpu-gib {args.gpu_gib} holds {gpu_blocks} blocks of 2 MiB; the patterns reach block 3999")
     gpu = torch.empty((gpu_blocks, PAGE), dtype=torch.uint8, device="cuda")
+    # Sizes that vary, so neither torch's caching allocators nor the driver hand back one block for all of them.
+    _held = [
+        (
+            torch.empty(4096 + 512 * i, dtype=torch.uint8).pin_memory(),
+            torch.empty(1 << (20 + i % 4), dtype=torch.uint8, device="cuda"),
+        )
+        for i in range(args.allocations)
+    ]
     host_slots = int(args.host_gib * (1 << 30)) // PAGE
     if host_slots < PAGES:
         raise SystemExit(f"--host-gib {args.host_gib} holds {host_slots} pages of 2 MiB; a load takes {PAGES}")
