@@ -10,10 +10,13 @@ before the next; then every pattern's load is submitted back to back on one stre
 turn's loads, each timed by its own events. ``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the
 GPU); ``--host-gib``, ``--pin-step-mib`` and ``--pin-method`` make the host pool: its size, the steps it is pinned in
 and how (a vLLM worker's pool is vLLM's offloading size, pinned in 256 MiB steps by default); ``--allocations``
-makes that many small pinned host and GPU tensors first, as an engine's process holds. Needs a GPU:
+makes that many small pinned host and GPU tensors first, as an engine's process holds. ``--replay`` copies again the
+turn-2 loads that ``kvtier bench serve --json J --job-ids`` recorded under vLLM (the same GPU blocks and host slots,
+submitted back to back turn by turn, by the copy engine and by the kernel) beside the rates vLLM's run measured.
+Needs a GPU:
 
     python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto]
-        [--allocations 0] [--json FILE]
+        [--allocations 0] [--replay SERVE_JSON] [--json FILE]
 """
 
 from __future__ import annotations
@@ -44,11 +47,37 @@ def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndar
         "one run": np.arange(100, 100 + PAGES),
         "descending": np.arange(99 + PAGES, 99, -1),
         "scattered, sorted": np.sort(rng.choice(gpu_blocks, PAGES, replace=False)),
+        "scattered, unsorted": rng.choice(gpu_blocks, PAGES, replace=False),
         "scattered, 14 pairs": in_pairs(14),
         "4 runs": np.concatenate([np.arange(s, s + 64) for s in (3000, 200, 1500, 800)]),
         "20 runs": np.concatenate([np.arange(s, s + 13) for s in range(0, 20 * 40, 40)])[:PAGES],
     }
     return {name: ids.astype(np.int32) for name, ids in patterns.items()}
+
+
+def recorded_turns(path: str) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, float]]]]:
+    """The timed turn-2 loads of each kvtier configuration in a ``kvtier bench serve --json --job-ids`` file, turn by
+    turn, in the order they were submitted: (GPU block ids, host slots, the rate vLLM's run measured, GB/s). A
+    load's host slots are its vLLM chunks' slots (``blocks_per_chunk`` a chunk, from the load's first)."""
+    with open(path) as f:
+        report = json.load(f)
+    turns = []
+    for run in report.get("prefix_runs", []):
+        for length in run["prefix"]:
+            for jobs in length["turn2"]["runs_jobs"]:
+                loads = []
+                for j in sorted(
+                    (j for j in jobs if j["kind"] == "load" and j.get("gpu_ids")), key=lambda j: j["submit_ms"]
+                ):
+                    gpu_ids, chunks = np.asarray(j["gpu_ids"], np.int32), np.asarray(j["host_ids"], np.int64)
+                    per_chunk = -(-len(gpu_ids) // len(chunks))
+                    slots = (chunks[:, None] * per_chunk + np.arange(per_chunk)).ravel()[: len(gpu_ids)]
+                    loads.append((gpu_ids, slots.astype(np.int32), j["bytes"] / j["copy_ms"] / 1e6))
+                if loads:
+                    turns.append((run["config"], loads))
+    if not turns:
+        raise SystemExit(f"{path}: no turn-2 loads with their ids (run kvtier bench serve with --json and --job-ids)")
+    return turns
 
 
 def engine_work(stop: threading.Event) -> None:
@@ -77,12 +106,20 @@ def main() -> None:
         default=0,
         help="this many small pinned host tensors and GPU tensors made first, as an engine's process holds",
     )
+    parser.add_argument(
+        "--replay",
+        metavar="SERVE_JSON",
+        help="copy again, here, the turn-2 loads a `kvtier bench serve --json --job-ids` run recorded under vLLM",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row here as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
+    turns = recorded_turns(args.replay) if args.replay else []
     rng = np.random.default_rng(0)
     gpu_blocks = int(args.gpu_gib * (1 << 30)) // PAGE
+    for _, loads in turns:
+        gpu_blocks = max([gpu_blocks, *(int(g.max()) + 1 for g, _, _ in loads)])
     if gpu_blocks < 4000:
         raise SystemExit(f"--gpu-gib {args.gpu_gib} holds {gpu_blocks} blocks of 2 MiB; the patterns reach block 3999")
     gpu = torch.empty((gpu_blocks, PAGE), dtype=torch.uint8, device="cuda")
@@ -95,6 +132,8 @@ def main() -> None:
         for i in range(args.allocations)
     ]
     host_slots = int(args.host_gib * (1 << 30)) // PAGE
+    for _, loads in turns:
+        host_slots = max([host_slots, *(int(h.max()) + 1 for _, h, _ in loads)])
     if host_slots < PAGES:
         raise SystemExit(f"--host-gib {args.host_gib} holds {host_slots} pages of 2 MiB; a load takes {PAGES}")
     host = HostPool(host_slots, PAGE, step_bytes=args.pin_step_mib << 20, pin=True, pin_method=args.pin_method)
@@ -174,6 +213,37 @@ def main() -> None:
                 for name, ids in patterns.items():
                     record("queued", name, ids, slots_name, method, timed[name][1:])
 
+    def replay() -> None:
+        """Each recorded turn's loads submitted back to back, as the worker submitted them, by each copy method."""
+        for t, (config, loads) in enumerate(turns):
+            for method in ("copy engine", "kernel"):
+                timed = [load(methods[method], g, h) for g, h, _ in loads]
+                stream.synchronize()
+                for (g, _, under_vllm), (start, end, submit) in zip(loads, timed, strict=True):
+                    runs = 1 + int(np.count_nonzero(np.diff(g) != 1))
+                    gbs = len(g) * PAGE / start.elapsed_time(end) / 1e6
+                    rows.append(
+                        {
+                            "config": config,
+                            "turn": t,
+                            "method": method,
+                            "runs": runs,
+                            "under_vllm_gbs": round(under_vllm, 1),
+                            "gbs": round(gbs, 1),
+                            "submit_ms": round(submit * 1e3, 2),
+                        }
+                    )
+                    print(
+                        f"turn {t:2} {method:12} {runs:4} runs: {gbs:5.1f} GB/s here (submit {submit * 1e3:6.2f} ms), "
+                        f"{under_vllm:5.1f} under vLLM"
+                    )
+
+    if turns:
+        replay()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     measure("alone")
     measure_queued()
     stop = threading.Event()

@@ -206,6 +206,29 @@ def test_transfers_sum_the_loads_alone_and_keep_every_jobs_timeline() -> None:
     assert (empty["load_jobs"], empty["jobs"]) == (0, [])
 
 
+def test_transfers_keep_each_jobs_ids_when_asked() -> None:
+    worker = _Worker()
+    plain = serve.Transfers(worker)
+    worker.submit_load(1, _Spec([40, 41]), _Spec([7, 8, 9, 3]))
+    worker.get_finished()
+    assert [sorted(j) for j in plain.figures()["jobs"]] == [
+        ["blocks", "bytes", "copy_ms", "done_ms", "kind", "runs", "submit_ms"]
+    ], "ids are kept only when asked for"
+    worker = _Worker()
+    transfers = serve.Transfers(worker, ids=True)
+    worker.submit_load(2, _Spec([40, 41]), _Spec([7, 8, 9, 3]))
+    worker.submit_store(3, _Spec([5, 6]), _Spec([12]))
+    worker.submit_load(4, None, None)
+    worker.get_finished()
+    jobs = transfers.figures()["jobs"]
+    assert [(j["kind"], j["gpu_ids"], j["host_ids"]) for j in jobs] == [
+        ("load", [7, 8, 9, 3], [40, 41]),  # a load's GPU side is its destination, the host side its source
+        ("store", [5, 6], [12]),
+        ("load", [], []),
+    ]
+    assert transfers.ids == {}, "ids leave with their job"
+
+
 def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pytest.CaptureFixture[str]) -> None:
     def turn(s: float, runs: list[float], rates: list[float | None]) -> dict[str, object]:
         gbs = sorted(r for r in rates if r)

@@ -14,7 +14,8 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
   ``TransferResult``: native's and kvtier's workers both time their copies on the GPU). `--json` keeps each timed
   turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, its GPU
-  blocks and their runs of consecutive ids, its bytes and its copies' ms.
+  blocks and their runs of consecutive ids, its bytes and its copies' ms (with `--job-ids`, the GPU block ids and
+  the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies again outside vLLM).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -181,6 +182,12 @@ def offloading_worker() -> Any | None:
     return getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
 
 
+def _ids(spec: Any) -> list[int]:
+    """A transfer spec's block ids (none when it has none)."""
+    ids = getattr(spec, "block_ids", None)
+    return [] if ids is None else [int(b) for b in ids]
+
+
 def _gpu_blocks(spec: Any) -> tuple[int, int]:
     """The GPU blocks of a transfer's GPU-side spec: how many, and in how many runs of consecutive ids."""
     ids = getattr(spec, "block_ids", None)
@@ -196,11 +203,14 @@ class Transfers:
     its transfer metrics record; native's and kvtier's workers both time their copies on the GPU). ``figures``
     sums the loads; ``timeline`` lists every job completed since the last ``clear``, in the order the worker reported
     them: its direction, when it was submitted and seen done (ms after the ``clear``; a job submitted before it has a
-    negative ``submit_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms. No
+    negative ``submit_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms; with
+    ``ids``, also the ids themselves (``gpu_ids``, and ``host_ids``: the offloading side's, vLLM chunk ids). No
     worker: nothing is counted."""
 
-    def __init__(self, worker: Any | None) -> None:
+    def __init__(self, worker: Any | None, ids: bool = False) -> None:
         self.submitted: dict[int, tuple[str, float, int, int]] = {}
+        self.ids: dict[int, dict[str, list[int]]] = {}
+        self.keep_ids = ids
         self.clear()
         if worker is None:
             return
@@ -208,14 +218,19 @@ class Transfers:
 
         # submit_store(job_id, src_spec, dst_spec) / submit_load(job_id, src_spec, dst_spec): the GPU side is a
         # store's source and a load's destination.
+        def watch(kind: str, job_id: int, gpu: Any, host: Any) -> None:
+            self.submitted[job_id] = (kind, time.perf_counter(), *_gpu_blocks(gpu))
+            if self.keep_ids:
+                self.ids[job_id] = {"gpu_ids": _ids(gpu), "host_ids": _ids(host)}
+
         def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            gpu = args[1] if len(args) > 1 else kwargs.get("dst_spec")
-            self.submitted[job_id] = ("load", time.perf_counter(), *_gpu_blocks(gpu))
+            src = args[0] if args else kwargs.get("src_spec")
+            watch("load", job_id, args[1] if len(args) > 1 else kwargs.get("dst_spec"), src)
             return submit_load(job_id, *args, **kwargs)
 
         def watched_store(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            gpu = args[0] if args else kwargs.get("src_spec")
-            self.submitted[job_id] = ("store", time.perf_counter(), *_gpu_blocks(gpu))
+            dst = args[1] if len(args) > 1 else kwargs.get("dst_spec")
+            watch("store", job_id, args[0] if args else kwargs.get("src_spec"), dst)
             return submit_store(job_id, *args, **kwargs)
 
         def watched_finished() -> Any:
@@ -235,6 +250,7 @@ class Transfers:
                         "runs": runs,
                         "bytes": int(r.transfer_size or 0),
                         "copy_ms": None if r.transfer_time is None else 1e3 * float(r.transfer_time),
+                        **self.ids.pop(r.job_id, {}),
                     }
                 )
             return results
@@ -269,10 +285,10 @@ class Hits:
     scheduler, watched in this process); the rest came from vLLM's GPU prefix cache. With an offloading tier, also
     the bytes and seconds of its loads and the timeline of its transfers (``Transfers``)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, job_ids: bool = False) -> None:
         self.llm = llm
         self.external: dict[str, int] = {}
-        self.transfers = Transfers(offloading_worker())
+        self.transfers = Transfers(offloading_worker(), ids=job_ids)
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         connector = getattr(getattr(core, "scheduler", None), "connector", None)
         # The offloading manager (scheduler side), to wait for its work after a turn (drain).
@@ -460,7 +476,7 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(config, args))
     out: dict[str, Any] = {"config": config, "workload": workload, "init_s": time.perf_counter() - t0}
-    hits = Hits(llm)
+    hits = Hits(llm, job_ids=bool(args.get("job_ids")))
     hits.generate([list(range(1000, 1000 + 4 * BLOCK))], 2)  # warm-up
     llm.reset_prefix_cache()
     if workload == "prefix":
@@ -642,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "noreuse": args.noreuse,
         "repeats": args.repeats,
         "think_s": args.think_s,
+        "job_ids": args.job_ids,
     }
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "configs": configs}
     if "prefix" in workloads:
@@ -691,6 +708,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--think-s", type=between(0, 60, float), default=1.0, help="seconds between a turn and the next")
     ap.add_argument("--trace-gpu-blocks", type=at_least(16), default=2048, help="GPU KV blocks for the trace")
     ap.add_argument("--gpu-memory-utilization", type=positive(float), default=0.5, help="vLLM's setting")
+    ap.add_argument(
+        "--job-ids",
+        action="store_true",
+        help="--json keeps each transfer's GPU block ids and vLLM chunk ids (benches/load_patterns.py --replay)",
+    )
     ap.add_argument("--log", help="append every engine's output here")
     ap.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
     ap.add_argument("--plot", type=plot_file, metavar="PNG", help="draw turn-2 times and trace TTFT here")
