@@ -56,9 +56,10 @@ def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndar
 
 
 def recorded_turns(path: str) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, float]]]]:
-    """The timed turn-2 loads of each kvtier configuration in a ``kvtier bench serve --json --job-ids`` file, turn by
-    turn, in the order they were submitted: (GPU block ids, host slots, the rate vLLM's run measured, GB/s). A
-    load's host slots are its vLLM chunks' slots (``blocks_per_chunk`` a chunk, from the load's first)."""
+    """The timed turn-2 loads of each offloading configuration (native's too) in a ``kvtier bench serve --json
+    --job-ids`` file, turn by turn, in the order they were submitted: (GPU block ids, host slots, the rate vLLM's run
+    measured in GB/s, NaN where the worker did not time it). A load's host slots are its vLLM chunks' slots
+    (``blocks_per_chunk`` a chunk, from the load's first)."""
     with open(path) as f:
         report = json.load(f)
     turns = []
@@ -67,12 +68,14 @@ def recorded_turns(path: str) -> list[tuple[str, list[tuple[np.ndarray, np.ndarr
             for jobs in length["turn2"]["runs_jobs"]:
                 loads = []
                 for j in sorted(
-                    (j for j in jobs if j["kind"] == "load" and j.get("gpu_ids")), key=lambda j: j["submit_ms"]
+                    (j for j in jobs if j["kind"] == "load" and j.get("gpu_ids") and j.get("host_ids")),
+                    key=lambda j: j["submit_ms"],
                 ):
                     gpu_ids, chunks = np.asarray(j["gpu_ids"], np.int32), np.asarray(j["host_ids"], np.int64)
                     per_chunk = -(-len(gpu_ids) // len(chunks))
                     slots = (chunks[:, None] * per_chunk + np.arange(per_chunk)).ravel()[: len(gpu_ids)]
-                    loads.append((gpu_ids, slots.astype(np.int32), j["bytes"] / j["copy_ms"] / 1e6))
+                    rate = j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else float("nan")
+                    loads.append((gpu_ids, slots.astype(np.int32), rate))
                 if loads:
                     turns.append((run["config"], loads))
     if not turns:
