@@ -302,3 +302,34 @@ def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_p
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/mine.json")
     serve._spawn("kvtier-lru", "prefix", {}, str(log))
     assert seen["path"] == "/etc/mine.json"
+
+
+def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
+    torch = pytest.importorskip("torch")
+    from kvtier.vllm.copy import ChunkCopier
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(32, 2, 16, 2, 64, generator=g).to(torch.float16) for _ in range(2)]
+    copier = ChunkCopier(tensors, [[0, 1]], num_chunks=8, blocks_per_chunk=2)
+    blocks, chunks = [9, 3, 4, 20], [6, 1]  # chunk 6's two slots, then chunk 1's
+    ((group, ids, slots),) = copier.pairs(blocks, [4], [0], chunks)
+    assert slots.tolist() == [12, 13, 2, 3]
+    for run in copier.group_runs[group]:
+        copier.copiers[run.copier].to_host(ids, slots, layers=run.layers)
+    kept = [t[blocks].clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    load = {"kind": "load", "submit_ms": 3.0, "blocks": 4, "runs": 3, "bytes": 4 << 20, "copy_ms": 0.5,
+            "gpu_ids": blocks, "host_ids": chunks}  # fmt: skip
+    untimed = {**load, "submit_ms": 1.0, "copy_ms": None}
+    store = {**load, "kind": "store"}
+    prefix = [{"turn2": {"runs_jobs": [[store, load], [], [untimed]]}}]
+    rows = serve.replay_loads(copier, prefix)
+    assert [(r["turn"], r["blocks"], r["runs"]) for r in rows] == [(0, 4, 3), (2, 4, 3)], "loads only, by turn"
+    assert rows[0]["under_vllm_gbs"] == pytest.approx((4 << 20) / 0.5 / 1e6) and rows[1]["under_vllm_gbs"] is None
+    assert all(r["gbs"] > 0 for r in rows)
+    for t, k in zip(tensors, kept, strict=True):
+        assert torch.equal(t[blocks], k), "the recorded blocks hold the recorded chunks' pages again"
+    summary = serve.replay_summary(rows)
+    assert summary.startswith("1 loads below 30 GB/s under vLLM: ") and summary.endswith(" GB/s here, 8.4 there")
+    assert serve.replay_summary([]) == "no timed loads"

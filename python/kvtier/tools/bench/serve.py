@@ -15,7 +15,9 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   ``TransferResult``: native's and kvtier's workers both time their copies on the GPU). `--json` keeps each timed
   turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, its GPU
   blocks and their runs of consecutive ids, its bytes and its copies' ms (with `--job-ids`, the GPU block ids and
-  the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies again outside vLLM).
+  the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies again outside vLLM; a kvtier
+  configuration also copies them again itself, in its process after its timed turns, and prints and keeps those
+  rates: `replay`).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -465,6 +467,50 @@ def run_trace(hits: Hits, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timed turn-2 loads that ``--job-ids`` recorded (``prefix``: ``run_prefix``'s figures), copied again by a
+    kvtier worker's own page copiers (``copier``: its ``ChunkCopier``) in this process, between turns: each turn's
+    loads back to back on a stream of their own, as the worker submitted them. Each load's GPU blocks, their runs, its
+    rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM. A
+    load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there)."""
+    import torch
+
+    cuda = copier.device.type == "cuda"
+    stream = torch.cuda.Stream(copier.device) if cuda else None
+    if cuda:
+        torch.cuda.synchronize(copier.device)  # no store may still be reading a block the replay writes
+    rows = []
+    for length in prefix:
+        for turn, jobs in enumerate(length["turn2"]["runs_jobs"]):
+            loads = sorted((j for j in jobs if j["kind"] == "load" and j.get("host_ids")), key=lambda j: j["submit_ms"])
+            timed = []
+            for j in loads:
+                (group, gpu_ids, slots), *_ = copier.pairs(j["gpu_ids"], [len(j["gpu_ids"])], [0], j["host_ids"])
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+                t0 = time.perf_counter()
+                if start is not None:
+                    start.record(stream)
+                for run in copier.group_runs[group]:
+                    copier.copiers[run.copier].to_gpu(slots, gpu_ids, stream=stream, layers=run.layers)
+                if end is not None:
+                    end.record(stream)
+                timed.append((j, start, end, time.perf_counter() - t0))
+            if stream is not None:
+                stream.synchronize()
+            for j, start, end, seconds in timed:
+                ms = start.elapsed_time(end) if start is not None and end is not None else 1e3 * seconds
+                rows.append(
+                    {
+                        "turn": turn,
+                        "blocks": j["blocks"],
+                        "runs": j["runs"],
+                        "gbs": j["bytes"] / ms / 1e6,
+                        "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None,
+                    }
+                )
+    return rows
+
+
 def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     """One configuration's figures (this process holds one engine)."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -481,6 +527,10 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     llm.reset_prefix_cache()
     if workload == "prefix":
         out["prefix"] = run_prefix(hits, config, args)
+        copier = getattr(offloading_worker(), "copier", None)
+        if args.get("job_ids") and copier is not None and len(getattr(copier, "group_runs", ())) == 1:
+            out["replay"] = replay_loads(copier, out["prefix"])
+            llm.reset_prefix_cache()  # the replay wrote into GPU blocks vLLM may hold cached
         if config == "none":
             out["memcpy_h2d_gbs"] = _memcpy_gbs()
         if args.get("noreuse"):
@@ -774,7 +824,23 @@ def _prefix(
         base = report["noreuse"]["none"]
         print("no reuse: requests/s (against no offloading): " + ", ".join(
             f"{c} {v:.2f} ({v / base:.3f})" for c, v in report["noreuse"].items()))  # fmt: skip
+    for r in results:
+        if r.get("replay"):
+            print(f"{r['config']}: its turn-2 loads again, in its process between turns: {replay_summary(r['replay'])}")
     report["prefix_runs"] = [{k: v for k, v in r.items()} for r in results]
+
+
+def replay_summary(rows: list[dict[str, Any]]) -> str:
+    """The replayed loads' median rates, split by how they ran under vLLM (below 30 GB/s or not)."""
+    parts = []
+    for slow in (True, False):
+        picked = [r for r in rows if r["under_vllm_gbs"] is not None and (r["under_vllm_gbs"] < 30) == slow]
+        if picked:
+            here = statistics.median(r["gbs"] for r in picked)
+            there = statistics.median(r["under_vllm_gbs"] for r in picked)
+            parts.append(f"{len(picked)} loads {'below' if slow else 'at or above'} 30 GB/s under vLLM: {here:.1f} "
+                         f"GB/s here, {there:.1f} there")  # fmt: skip
+    return "; ".join(parts) or "no timed loads"
 
 
 def _trace(args: Any, common: dict[str, Any], configs: list[str], work: str) -> dict[str, Any]:
