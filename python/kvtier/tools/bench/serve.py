@@ -192,10 +192,9 @@ def _ids(spec: Any) -> list[int]:
 
 def _gpu_blocks(spec: Any) -> tuple[int, int]:
     """The GPU blocks of a transfer's GPU-side spec: how many, and in how many runs of consecutive ids."""
-    ids = getattr(spec, "block_ids", None)
-    if ids is None or len(ids) == 0:
+    ids = _ids(spec)
+    if not ids:
         return 0, 0
-    ids = [int(b) for b in ids]
     return len(ids), 1 + sum(b != a + 1 for a, b in itertools.pairwise(ids))
 
 
