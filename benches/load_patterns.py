@@ -55,6 +55,11 @@ def gpu_patterns(rng: np.random.Generator, gpu_blocks: int) -> dict[str, np.ndar
     return {name: ids.astype(np.int32) for name, ids in patterns.items()}
 
 
+def runs_of(ids: np.ndarray) -> int:
+    """How many runs of consecutive ids (ascending) ``ids`` comes in."""
+    return 1 + int(np.count_nonzero(np.diff(ids) != 1))
+
+
 def recorded_turns(path: str) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, float]]]]:
     """The timed turn-2 loads of each offloading configuration (native's too) in a ``kvtier bench serve --json
     --job-ids`` file, turn by turn, in the order they were submitted: (GPU block ids, host slots, the rate vLLM's run
@@ -174,7 +179,7 @@ def main() -> None:
 
     def record(beside: str, pattern: str, ids: np.ndarray, slots: str, method: str, timed: list[tuple]) -> None:
         """One row: the median rate (GB/s, by the events) and submit time (ms, on the host) of the timed loads."""
-        runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
+        runs = runs_of(ids)
         gbs = round(statistics.median(PAGES * PAGE / s.elapsed_time(e) / 1e6 for s, e, _ in timed), 1)
         submit_ms = round(statistics.median(t * 1e3 for _, _, t in timed), 2)
         rows.append(
@@ -223,7 +228,7 @@ def main() -> None:
                 timed = [load(methods[method], g, h) for g, h, _ in loads]
                 stream.synchronize()
                 for (g, _, under_vllm), (start, end, submit) in zip(loads, timed, strict=True):
-                    runs = 1 + int(np.count_nonzero(np.diff(g) != 1))
+                    runs = runs_of(g)
                     gbs = len(g) * PAGE / start.elapsed_time(end) / 1e6
                     rows.append(
                         {
@@ -243,20 +248,17 @@ def main() -> None:
 
     if turns:
         replay()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    measure("alone")
-    measure_queued()
-    stop = threading.Event()
-    worker = threading.Thread(target=engine_work, args=(stop,))
-    worker.start()
-    try:
-        measure("engine work")
-    finally:
-        stop.set()
-        worker.join()
+    else:
+        measure("alone")
+        measure_queued()
+        stop = threading.Event()
+        worker = threading.Thread(target=engine_work, args=(stop,))
+        worker.start()
+        try:
+            measure("engine work")
+        finally:
+            stop.set()
+            worker.join()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
