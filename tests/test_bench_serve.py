@@ -226,7 +226,7 @@ def test_transfers_keep_each_jobs_ids_when_asked() -> None:
         ("store", [5, 6], [12]),
         ("load", [], []),
     ]
-    assert transfers.ids == {}, "ids leave with their job"
+    assert transfers.submitted == {}, "ids leave with their job"
 
 
 def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pytest.CaptureFixture[str]) -> None:

@@ -209,8 +209,8 @@ class Transfers:
     worker: nothing is counted."""
 
     def __init__(self, worker: Any | None, ids: bool = False) -> None:
-        self.submitted: dict[int, tuple[str, float, int, int]] = {}
-        self.ids: dict[int, dict[str, list[int]]] = {}
+        # Jobs submitted and not yet seen done: their timeline entry so far, and when they were submitted.
+        self.submitted: dict[int, tuple[dict[str, Any], float]] = {}
         self.keep_ids = ids
         self.clear()
         if worker is None:
@@ -220,9 +220,11 @@ class Transfers:
         # submit_store(job_id, src_spec, dst_spec) / submit_load(job_id, src_spec, dst_spec): the GPU side is a
         # store's source and a load's destination.
         def watch(kind: str, job_id: int, gpu: Any, host: Any) -> None:
-            self.submitted[job_id] = (kind, time.perf_counter(), *_gpu_blocks(gpu))
+            blocks, runs = _gpu_blocks(gpu)
+            entry: dict[str, Any] = {"kind": kind, "blocks": blocks, "runs": runs}
             if self.keep_ids:
-                self.ids[job_id] = {"gpu_ids": _ids(gpu), "host_ids": _ids(host)}
+                entry.update(gpu_ids=_ids(gpu), host_ids=_ids(host))
+            self.submitted[job_id] = (entry, time.perf_counter())
 
         def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
             src = args[0] if args else kwargs.get("src_spec")
@@ -241,17 +243,14 @@ class Transfers:
                 job = self.submitted.pop(r.job_id, None)
                 if job is None:
                     continue
-                kind, at, blocks, runs = job
+                entry, at = job
                 self.timeline.append(
                     {
-                        "kind": kind,
+                        **entry,
                         "submit_ms": 1e3 * (at - self.t0),
                         "done_ms": 1e3 * (now - self.t0),
-                        "blocks": blocks,
-                        "runs": runs,
                         "bytes": int(r.transfer_size or 0),
                         "copy_ms": None if r.transfer_time is None else 1e3 * float(r.transfer_time),
-                        **self.ids.pop(r.job_id, {}),
                     }
                 )
             return results
