@@ -27,6 +27,10 @@ pub const DEFAULT_THREADS: u32 = 512;
 /// against kernel").
 pub const DEFAULT_CROSSOVER_BYTES: u64 = 64 << 10;
 /// Below this many bytes a CPU copy stays on the calling thread.
+/// What one 2D copy costs the thread that submits it, in 1D pieces: `cudaMemcpy3DBatchAsync` took 3.5-4.3 us of
+/// host time a copy (H200 and H100, driver 580), `cudaMemcpyBatchAsync` 0.8-1.0 us a piece, and the copy engine
+/// starts a batch's copies only as fast as they are submitted (docs/PERFORMANCE.md, "2D copies cost four pieces").
+const COPY_2D_PIECES: usize = 4;
 const CPU_BYTES_PER_THREAD: u64 = 4 << 20;
 const CPU_MAX_THREADS: usize = 8;
 
@@ -504,18 +508,19 @@ impl PageCopier {
 
     /// How the copy engine takes a batch: as 1D pieces, as 2D copies of a page's segments of evenly spaced layers
     /// (`dma_ops`), or as 2D copies of one layer's segments of consecutive blocks and slots (`dma_block_ops`);
-    /// whichever makes the fewest copies (ties go to the simpler), counted before the cuts at pin steps.
+    /// whichever costs the submitting thread least, a 2D copy counted as `COPY_2D_PIECES` pieces (ties go to the
+    /// simpler), counted before the cuts at pin steps.
     fn dma_shape(&self, gpu_ids: &[i32], host_slots: &[i32], layers: &Range<usize>) -> Shape {
         let pages = gpu_ids.len();
         let rows = |r: &LayerRun| r.layers.end.min(layers.end).saturating_sub(r.layers.start.max(layers.start));
         let pieces = self.piece_count(gpu_ids, host_slots, layers);
         let page_rows = if self.runs.iter().any(|r| rows(r) > 1) {
-            pages * self.runs.iter().filter(|r| rows(r) > 0).count()
+            pages * self.runs.iter().filter(|r| rows(r) > 0).count() * COPY_2D_PIECES
         } else {
             usize::MAX
         };
         let runs = block_runs(gpu_ids, host_slots);
-        let block_rows = if runs.len() < pages { runs.len() * layers.len() } else { usize::MAX };
+        let block_rows = if runs.len() < pages { runs.len() * layers.len() * COPY_2D_PIECES } else { usize::MAX };
         if pieces <= page_rows.min(block_rows) {
             Shape::Pieces
         } else if page_rows <= block_rows {
@@ -1099,10 +1104,32 @@ mod tests {
                 row(l1 + 2 * 2560, 13824, 1536, 1, 2560),
             ]
         );
+        // A 2D copy costs four pieces: a run of three pages stays in pieces (12 against 4 x 4), one of five does not.
+        assert_eq!(c.dma_shape(&ids, &slots, &(0..4)), Shape::Pieces);
+        let (ids, slots) = ([3, 4, 5, 6, 7], [0, 1, 2, 3, 4]);
         assert_eq!(c.dma_shape(&ids, &slots, &(0..4)), Shape::BlockRows(block_runs(&ids, &slots)));
         assert_eq!(block_runs(&ids, &slots).len(), 1);
         // No run: one piece a page and layer is as few.
         assert_eq!(c.dma_shape(&[3, 9, 5], &[0, 1, 2], &(0..4)), Shape::Pieces);
+    }
+
+    #[test]
+    fn pages_mostly_alone_stay_in_pieces() {
+        // A load of pages mostly alone with a pair among them (as vLLM hands out a reset pool's blocks): five runs
+        // of six pages are 20 2D copies but 24 pieces, and a 2D copy costs the submitting thread about four pieces.
+        let (_host, c) = separate_layers();
+        assert_eq!(c.dma_shape(&[0, 2, 3, 6, 9, 12], &[0, 1, 2, 3, 4, 5], &(0..4)), Shape::Pieces);
+        // Evenly spaced layers: a page's four segments are one 2D copy, four pieces: still pieces (a tie).
+        let (_host, even) = layers_of([(0x100000, 2048), (0x200000, 2048), (0x300000, 2048), (0x400000, 2048)]);
+        assert_eq!(even.dma_shape(&[0, 2, 9], &[0, 1, 2], &(0..4)), Shape::Pieces);
+        // With more layers than four in the run, the page's rows win.
+        let layers = (0..8).map(|l| Layer { base: 0x100000 * (l + 1), stride: 2048 }).collect();
+        let host = Arc::new(HostPool::new(8, 8 * 1536, 16384, Some(false), PinMethod::Auto).unwrap());
+        host.grow_to(8).unwrap();
+        let pool = GpuPool { layers, num_blocks: 16, segment_bytes: 1536, device: None };
+        // SAFETY: no copy is made.
+        let c = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
+        assert_eq!(c.dma_shape(&[0, 2, 9], &[0, 1, 2], &(0..8)), Shape::PageRows);
     }
 
     /// Each copy's rows as (host address, GPU address, bytes), checking that none spans two pin steps.
