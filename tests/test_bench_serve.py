@@ -333,3 +333,24 @@ def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
     summary = serve.replay_summary(rows)
     assert summary.startswith("1 loads below 30 GB/s under vLLM: ") and summary.endswith(" GB/s here, 8.4 there")
     assert serve.replay_summary([]) == "no timed loads"
+
+
+def test_replay_of_one_tensor_across_layers_also_copies_into_a_scratch_tensor() -> None:
+    """vLLM's KV caches in one tensor (one page copier of one layer): each load is copied again into a scratch tensor
+    of the process's own, and its rate reported beside the one into vLLM's blocks."""
+    torch = pytest.importorskip("torch")
+    from kvtier.vllm.copy import ChunkCopier
+
+    kv = torch.arange(32 * 4096, dtype=torch.int32).view(32, 4096)
+    copier = ChunkCopier([kv], [[0]], num_chunks=8)
+    blocks, chunks = [9, 10, 3, 20], [6, 7, 1, 2]
+    ((_, ids, slots),) = copier.pairs(blocks, [4], [0], chunks)
+    copier.copiers[0].to_host(ids, slots)
+    kept = kv[blocks].clone()
+    kv.zero_()
+    load = {"kind": "load", "submit_ms": 1.0, "blocks": 4, "runs": 3, "bytes": 4 * 16384, "copy_ms": 0.01,
+            "gpu_ids": blocks, "host_ids": chunks}  # fmt: skip
+    (row,) = serve.replay_loads(copier, [{"turn2": {"runs_jobs": [[load]]}}])
+    assert row["gbs"] > 0 and row["scratch_gbs"] > 0
+    assert torch.equal(kv[blocks], kept)
+    assert "into a scratch tensor" in serve.replay_summary([row])

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 CONFIGS = ("none", "native", "kvtier-lru", "kvtier-adaptive")
@@ -470,42 +470,63 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     kvtier worker's own page copiers (``copier``: its ``ChunkCopier``) in this process, between turns: each turn's
     loads back to back on a stream of their own, as the worker submitted them. Each load's GPU blocks, their runs, its
     rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM. A
-    load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there)."""
+    load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there).
+
+    With one page copier of one layer (vLLM's KV caches in one tensor across layers), each load is copied a second
+    time into a scratch tensor of this process's own (``scratch_gbs``), its blocks placed so that it keeps its runs:
+    vLLM's KV tensor or this process, whichever sets the rate."""
+    import numpy as np
     import torch
+
+    from kvtier.copy import PageCopier
 
     cuda = copier.device.type == "cuda"
     stream = torch.cuda.Stream(copier.device) if cuda else None
     if cuda:
         torch.cuda.synchronize(copier.device)  # no store may still be reading a block the replay writes
+    scratch = None
+    if len(copier.copiers) == 1 and copier.copiers[0].num_layers == 1:
+        c = copier.copiers[0]
+        longest = max((j["blocks"] for p in prefix for run in p["turn2"]["runs_jobs"] for j in run), default=1)
+        blocks = torch.empty((2 * longest, c.page_bytes), dtype=torch.uint8, device=copier.device)
+        scratch = PageCopier(blocks, c.host, method=c.method, crossover_bytes=c.crossover_bytes,
+                             piece_bytes=c.piece_bytes)  # fmt: skip
+
+    def timed(copies: list[tuple[Any, Any, Any]], slots: Any) -> Callable[[], float]:
+        """Submits ``copies`` (page copier, GPU ids, layers) between two events: their milliseconds, once waited
+        for (on the CPU, where copies are made as they are submitted, the host's time)."""
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+        t0 = time.perf_counter()
+        if start is not None:
+            start.record(stream)
+        for c, ids, layers in copies:
+            c.to_gpu(slots, ids, stream=stream, layers=layers)
+        if end is not None:
+            end.record(stream)
+        host_ms = 1e3 * (time.perf_counter() - t0)
+        return lambda: start.elapsed_time(end) if start is not None else host_ms
+
     rows = []
     for length in prefix:
         for turn, jobs in enumerate(length["turn2"]["runs_jobs"]):
             loads = sorted((j for j in jobs if j["kind"] == "load" and j.get("host_ids")), key=lambda j: j["submit_ms"])
-            timed = []
+            timed_loads = []
             for j in loads:
                 (group, gpu_ids, slots), *_ = copier.pairs(j["gpu_ids"], [len(j["gpu_ids"])], [0], j["host_ids"])
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
-                t0 = time.perf_counter()
-                if start is not None:
-                    start.record(stream)
-                for run in copier.group_runs[group]:
-                    copier.copiers[run.copier].to_gpu(slots, gpu_ids, stream=stream, layers=run.layers)
-                if end is not None:
-                    end.record(stream)
-                timed.append((j, start, end, time.perf_counter() - t0))
+                there = timed([(copier.copiers[r.copier], gpu_ids, r.layers) for r in copier.group_runs[group]], slots)
+                mine = None
+                if scratch is not None:  # the same runs of blocks, one block apart between runs
+                    ids = np.concatenate([[0], np.cumsum(np.where(np.diff(gpu_ids) == 1, 1, 2))]).astype(np.int32)
+                    mine = timed([(scratch, ids, None)], slots)
+                timed_loads.append((j, there, mine))
             if stream is not None:
                 stream.synchronize()
-            for j, start, end, seconds in timed:
-                ms = start.elapsed_time(end) if start is not None and end is not None else 1e3 * seconds
-                rows.append(
-                    {
-                        "turn": turn,
-                        "blocks": j["blocks"],
-                        "runs": j["runs"],
-                        "gbs": j["bytes"] / ms / 1e6,
-                        "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None,
-                    }
-                )
+            for j, there, mine in timed_loads:
+                row = {"turn": turn, "blocks": j["blocks"], "runs": j["runs"], "gbs": j["bytes"] / there() / 1e6,
+                       "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None}  # fmt: skip
+                if mine is not None:
+                    row["scratch_gbs"] = j["bytes"] / mine() / 1e6
+                rows.append(row)
     return rows
 
 
@@ -836,8 +857,10 @@ def replay_summary(rows: list[dict[str, Any]]) -> str:
         if picked:
             here = statistics.median(r["gbs"] for r in picked)
             there = statistics.median(r["under_vllm_gbs"] for r in picked)
+            mine = [r["scratch_gbs"] for r in picked if "scratch_gbs" in r]
+            into = f" ({statistics.median(mine):.1f} into a scratch tensor)" if mine else ""
             parts.append(f"{len(picked)} loads {'below' if slow else 'at or above'} 30 GB/s under vLLM: {here:.1f} "
-                         f"GB/s here, {there:.1f} there")  # fmt: skip
+                         f"GB/s here{into}, {there:.1f} there")  # fmt: skip
     return "; ".join(parts) or "no timed loads"
 
 
