@@ -27,9 +27,9 @@ pub const DEFAULT_THREADS: u32 = 512;
 /// against kernel").
 pub const DEFAULT_CROSSOVER_BYTES: u64 = 64 << 10;
 /// Below this many bytes a CPU copy stays on the calling thread.
-/// What one 2D copy costs the thread that submits it, in 1D pieces: `cudaMemcpy3DBatchAsync` took 3.5-4.3 us of
-/// host time a copy (H200 and H100, driver 580), `cudaMemcpyBatchAsync` 0.8-1.0 us a piece, and the copy engine
-/// starts a batch's copies only as fast as they are submitted (docs/PERFORMANCE.md, "2D copies cost four pieces").
+/// What one 2D copy costs the thread that submits it, in 1D pieces: `cudaMemcpy3DBatchAsync` took about 3.5 us of
+/// host time a copy, `cudaMemcpyBatchAsync` about 0.8 us a piece (H200, driver 580; docs/PERFORMANCE.md, "2D copies
+/// cost four pieces").
 const COPY_2D_PIECES: usize = 4;
 const CPU_BYTES_PER_THREAD: u64 = 4 << 20;
 const CPU_MAX_THREADS: usize = 8;
