@@ -495,16 +495,18 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     def timed(copies: list[tuple[Any, Any, Any]], slots: Any) -> Callable[[], float]:
         """Submits ``copies`` (page copier, GPU ids, layers) between two events: their milliseconds, once waited
         for (on the CPU, where copies are made as they are submitted, the host's time)."""
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
         t0 = time.perf_counter()
-        if start is not None:
-            start.record(stream)
+        if not cuda:
+            for c, ids, layers in copies:
+                c.to_gpu(slots, ids, layers=layers)
+            host_ms = 1e3 * (time.perf_counter() - t0)
+            return lambda: host_ms
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         for c, ids, layers in copies:
             c.to_gpu(slots, ids, stream=stream, layers=layers)
-        if end is not None:
-            end.record(stream)
-        host_ms = 1e3 * (time.perf_counter() - t0)
-        return lambda: start.elapsed_time(end) if start is not None else host_ms
+        end.record(stream)
+        return lambda: start.elapsed_time(end)
 
     rows = []
     for length in prefix:
