@@ -331,7 +331,7 @@ def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
     for t, k in zip(tensors, kept, strict=True):
         assert torch.equal(t[blocks], k), "the recorded blocks hold the recorded chunks' pages again"
     summary = serve.replay_summary(rows)
-    assert summary.startswith("1 loads below 30 GB/s under vLLM: ") and summary.endswith(" GB/s here, 8.4 there")
+    assert summary.startswith("1 loads below 30 GB/s under vLLM: ") and summary.endswith(" GB/s here; 8.4 there")
     assert serve.replay_summary([]) == "no timed loads"
 
 
@@ -351,6 +351,7 @@ def test_replay_of_one_tensor_across_layers_also_copies_into_a_scratch_tensor() 
     load = {"kind": "load", "submit_ms": 1.0, "blocks": 4, "runs": 3, "bytes": 4 * 16384, "copy_ms": 0.01,
             "gpu_ids": blocks, "host_ids": chunks}  # fmt: skip
     (row,) = serve.replay_loads(copier, [{"turn2": {"runs_jobs": [[load]]}}])
-    assert row["gbs"] > 0 and row["scratch_gbs"] > 0
-    assert torch.equal(kv[blocks], kept)
-    assert "into a scratch tensor" in serve.replay_summary([row])
+    assert row["gbs"] > 0 and row["scratch_gbs"] > 0 and row["alternate_gbs"] > 0
+    assert torch.equal(kv[blocks], kept), "the alternate pages' copies are the recorded pages too"
+    summary = serve.replay_summary([row])
+    assert " into a scratch tensor, " in summary and summary.endswith(" in alternate pages; 6.6 there")

@@ -474,7 +474,9 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
 
     With one page copier of one layer (vLLM's KV caches in one tensor across layers), each load is copied a second
     time into a scratch tensor of this process's own (``scratch_gbs``), its blocks placed so that it keeps its runs:
-    vLLM's KV tensor or this process, whichever sets the rate."""
+    vLLM's KV tensor or this process, whichever sets the rate; and a third time into vLLM's blocks as two calls of
+    alternate pages (``alternate_gbs``): one copy a page, no two adjacent in a call, as native's loads come when its
+    host blocks do not follow the GPU blocks."""
     import numpy as np
     import torch
 
@@ -492,18 +494,18 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
         scratch = PageCopier(blocks, c.host, method=c.method, crossover_bytes=c.crossover_bytes,
                              piece_bytes=c.piece_bytes)  # fmt: skip
 
-    def timed(copies: list[tuple[Any, Any, Any]], slots: Any) -> Callable[[], float]:
-        """Submits ``copies`` (page copier, GPU ids, layers) between two events: their milliseconds, once waited
-        for (on the CPU, where copies are made as they are submitted, the host's time)."""
+    def timed(copies: list[tuple[Any, Any, Any, Any]]) -> Callable[[], float]:
+        """Submits ``copies`` (page copier, host slots, GPU ids, layers) between two events: their milliseconds, once
+        waited for (on the CPU, where copies are made as they are submitted, the host's time)."""
         t0 = time.perf_counter()
         if not cuda:
-            for c, ids, layers in copies:
+            for c, slots, ids, layers in copies:
                 c.to_gpu(slots, ids, layers=layers)
             host_ms = 1e3 * (time.perf_counter() - t0)
             return lambda: host_ms
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        for c, ids, layers in copies:
+        for c, slots, ids, layers in copies:
             c.to_gpu(slots, ids, stream=stream, layers=layers)
         end.record(stream)
         return lambda: start.elapsed_time(end)
@@ -515,20 +517,21 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
             timed_loads = []
             for j in loads:
                 (group, gpu_ids, slots), *_ = copier.pairs(j["gpu_ids"], [len(j["gpu_ids"])], [0], j["host_ids"])
-                there = timed([(copier.copiers[r.copier], gpu_ids, r.layers) for r in copier.group_runs[group]], slots)
-                mine = None
+                runs = [(copier.copiers[r.copier], r.layers) for r in copier.group_runs[group]]
+                there = timed([(c, slots, gpu_ids, layers) for c, layers in runs])
+                more = {}
                 if scratch is not None:  # the same runs of blocks, one block apart between runs
                     ids = np.concatenate([[0], np.cumsum(np.where(np.diff(gpu_ids) == 1, 1, 2))]).astype(np.int32)
-                    mine = timed([(scratch, ids, None)], slots)
-                timed_loads.append((j, there, mine))
+                    more["scratch_gbs"] = timed([(scratch, slots, ids, None)])
+                    halves = [(np.ascontiguousarray(slots[k::2]), np.ascontiguousarray(gpu_ids[k::2])) for k in (0, 1)]
+                    more["alternate_gbs"] = timed([(c, h, g, None) for h, g in halves for c, _ in runs])
+                timed_loads.append((j, there, more))
             if stream is not None:
                 stream.synchronize()
-            for j, there, mine in timed_loads:
+            for j, there, more in timed_loads:
                 row = {"turn": turn, "blocks": j["blocks"], "runs": j["runs"], "gbs": j["bytes"] / there() / 1e6,
                        "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None}  # fmt: skip
-                if mine is not None:
-                    row["scratch_gbs"] = j["bytes"] / mine() / 1e6
-                rows.append(row)
+                rows.append({**row, **{k: j["bytes"] / ms() / 1e6 for k, ms in more.items()}})
     return rows
 
 
@@ -859,10 +862,13 @@ def replay_summary(rows: list[dict[str, Any]]) -> str:
         if picked:
             here = statistics.median(r["gbs"] for r in picked)
             there = statistics.median(r["under_vllm_gbs"] for r in picked)
-            mine = [r["scratch_gbs"] for r in picked if "scratch_gbs" in r]
-            into = f" ({statistics.median(mine):.1f} into a scratch tensor)" if mine else ""
+            into = "".join(
+                f", {statistics.median(r[key] for r in picked):.1f} {name}"
+                for key, name in (("scratch_gbs", "into a scratch tensor"), ("alternate_gbs", "in alternate pages"))
+                if all(key in r for r in picked)
+            )
             parts.append(f"{len(picked)} loads {'below' if slow else 'at or above'} 30 GB/s under vLLM: {here:.1f} "
-                         f"GB/s here{into}, {there:.1f} there")  # fmt: skip
+                         f"GB/s here{into}; {there:.1f} there")  # fmt: skip
     return "; ".join(parts) or "no timed loads"
 
 
