@@ -26,11 +26,11 @@ pub const DEFAULT_THREADS: u32 = 512;
 /// Mean piece size from which `Method::Auto` takes the copy engine (measured: docs/PERFORMANCE.md, "Copy engine
 /// against kernel").
 pub const DEFAULT_CROSSOVER_BYTES: u64 = 64 << 10;
-/// Below this many bytes a CPU copy stays on the calling thread.
 /// What one 2D copy costs the thread that submits it, in 1D pieces: `cudaMemcpy3DBatchAsync` took about 3.5 us of
 /// host time a copy, `cudaMemcpyBatchAsync` about 0.8 us a piece (H200, driver 580; docs/PERFORMANCE.md, "2D copies
 /// cost four pieces").
 const COPY_2D_PIECES: usize = 4;
+/// Below this many bytes a CPU copy stays on the calling thread.
 const CPU_BYTES_PER_THREAD: u64 = 4 << 20;
 const CPU_MAX_THREADS: usize = 8;
 
@@ -1115,8 +1115,8 @@ mod tests {
 
     #[test]
     fn pages_mostly_alone_stay_in_pieces() {
-        // A load of pages mostly alone with a pair among them (as vLLM hands out a reset pool's blocks): five runs
-        // of six pages are 20 2D copies but 24 pieces, and a 2D copy costs the submitting thread about four pieces.
+        // A batch of pages mostly alone with a pair among them (as an engine hands out a pool's freed blocks): five
+        // runs of six pages are 20 2D copies but 24 pieces, and a 2D copy costs the submitting thread about four pieces.
         let (_host, c) = separate_layers();
         assert_eq!(c.dma_shape(&[0, 2, 3, 6, 9, 12], &[0, 1, 2, 3, 4, 5], &(0..4)), Shape::Pieces);
         // Evenly spaced layers: a page's four segments are one 2D copy, four pieces: still pieces (a tie).
