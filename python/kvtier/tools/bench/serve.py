@@ -226,14 +226,18 @@ class Transfers:
                 entry.update(gpu_ids=_ids(gpu), host_ids=_ids(host))
             self.submitted[job_id] = (entry, time.perf_counter())
 
-        def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
+        def specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
             src = args[0] if args else kwargs.get("src_spec")
-            watch("load", job_id, args[1] if len(args) > 1 else kwargs.get("dst_spec"), src)
+            return src, args[1] if len(args) > 1 else kwargs.get("dst_spec")
+
+        def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
+            src, dst = specs(args, kwargs)
+            watch("load", job_id, dst, src)
             return submit_load(job_id, *args, **kwargs)
 
         def watched_store(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            dst = args[1] if len(args) > 1 else kwargs.get("dst_spec")
-            watch("store", job_id, args[0] if args else kwargs.get("src_spec"), dst)
+            src, dst = specs(args, kwargs)
+            watch("store", job_id, src, dst)
             return submit_store(job_id, *args, **kwargs)
 
         def watched_finished() -> Any:
@@ -518,20 +522,19 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
             for j in loads:
                 (group, gpu_ids, slots), *_ = copier.pairs(j["gpu_ids"], [len(j["gpu_ids"])], [0], j["host_ids"])
                 runs = [(copier.copiers[r.copier], r.layers) for r in copier.group_runs[group]]
-                there = timed([(c, slots, gpu_ids, layers) for c, layers in runs])
-                more = {}
+                ms = {"gbs": timed([(c, slots, gpu_ids, layers) for c, layers in runs])}
                 if scratch is not None:  # the same runs of blocks, one block apart between runs
                     ids = np.concatenate([[0], np.cumsum(np.where(np.diff(gpu_ids) == 1, 1, 2))]).astype(np.int32)
-                    more["scratch_gbs"] = timed([(scratch, slots, ids, None)])
+                    ms["scratch_gbs"] = timed([(scratch, slots, ids, None)])
                     halves = [(np.ascontiguousarray(slots[k::2]), np.ascontiguousarray(gpu_ids[k::2])) for k in (0, 1)]
-                    more["alternate_gbs"] = timed([(c, h, g, None) for h, g in halves for c, _ in runs])
-                timed_loads.append((j, there, more))
+                    ms["alternate_gbs"] = timed([(c, h, g, None) for h, g in halves for c, _ in runs])
+                timed_loads.append((j, ms))
             if stream is not None:
                 stream.synchronize()
-            for j, there, more in timed_loads:
-                row = {"turn": turn, "blocks": j["blocks"], "runs": j["runs"], "gbs": j["bytes"] / there() / 1e6,
-                       "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None}  # fmt: skip
-                rows.append({**row, **{k: j["bytes"] / ms() / 1e6 for k, ms in more.items()}})
+            for j, ms in timed_loads:
+                rows.append({"turn": turn, "blocks": j["blocks"], "runs": j["runs"],
+                             "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None,
+                             **{key: j["bytes"] / elapsed() / 1e6 for key, elapsed in ms.items()}})  # fmt: skip
     return rows
 
 
