@@ -309,7 +309,8 @@ def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
     from kvtier.vllm.copy import ChunkCopier
 
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(32, 2, 16, 2, 64, generator=g).to(torch.float16) for _ in range(2)]
+    # Two shapes of tensor: two page copiers, so no scratch tensor (its layout would be neither of theirs).
+    tensors = [torch.randn(32, 2, 16, n, 64, generator=g).to(torch.float16) for n in (2, 4)]
     copier = ChunkCopier(tensors, [[0, 1]], num_chunks=8, blocks_per_chunk=2)
     blocks, chunks = [9, 3, 4, 20], [6, 1]  # chunk 6's two slots, then chunk 1's
     ((group, ids, slots),) = copier.pairs(blocks, [4], [0], chunks)
@@ -335,14 +336,18 @@ def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
     assert serve.replay_summary([]) == "no timed loads"
 
 
-def test_replay_of_one_tensor_across_layers_also_copies_into_a_scratch_tensor() -> None:
-    """vLLM's KV caches in one tensor (one page copier of one layer): each load is copied again into a scratch tensor
-    of the process's own, and its rate reported beside the one into vLLM's blocks."""
+@pytest.mark.parametrize("layers", [1, 4])
+def test_replay_of_one_page_copier_also_copies_into_a_scratch_tensor(layers: int) -> None:
+    """vLLM's KV caches in tensors of one shape (one page copier: one tensor across layers, or a view a layer of
+    one): each load is copied again into a scratch tensor of the process's own, and its rate reported beside the one
+    into vLLM's blocks."""
     torch = pytest.importorskip("torch")
     from kvtier.vllm.copy import ChunkCopier
 
     kv = torch.arange(32 * 4096, dtype=torch.int32).view(32, 4096)
-    copier = ChunkCopier([kv], [[0]], num_chunks=8)
+    width = 4096 // layers
+    copier = ChunkCopier([kv[:, i * width : (i + 1) * width] for i in range(layers)], [[*range(layers)]], num_chunks=8)
+    assert copier.copiers[0].num_layers == layers
     blocks, chunks = [9, 10, 3, 20], [6, 7, 1, 2]
     ((_, ids, slots),) = copier.pairs(blocks, [4], [0], chunks)
     copier.copiers[0].to_host(ids, slots)

@@ -100,7 +100,10 @@ def test_the_worker_says_how_its_host_pool_is_pinned_and_copied(caplog: pytest.L
         copier = ChunkCopier(tensors, [[0, 1]], num_chunks=4, copy_options={"method": "kernel", "store_method": "dma"})
     page = 2 * tensors[0][0].numel() * tensors[0].element_size()
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm"]
-    assert f"a host pool of 4 pages of {page} bytes on cpu, pinned: none in " in line
+    assert (
+        f"a host pool of 4 pages of {page} bytes (2 KV tensors of {page // 2} bytes a block) on cpu, pinned: none in "
+        in line
+    )
     assert line.endswith("loads by kernel, stores by dma")
     copier.close()
 

@@ -104,10 +104,12 @@ class ChunkCopier:
         for pool, copier in zip(self.host_pools, self.copiers, strict=True):
             # What a deployment checks first when copies run slow: how the pool was pinned, and by what it copies.
             log.info(
-                "kvtier worker: a host pool of %d pages of %d bytes on %s, pinned: %s in %d-byte steps; loads by %s, "
-                "stores by %s",
+                "kvtier worker: a host pool of %d pages of %d bytes (%d KV tensors of %d bytes a block) on %s, pinned: "
+                "%s in %d-byte steps; loads by %s, stores by %s",
                 pool.slots,
                 pool.slot_bytes,
+                copier.num_layers,
+                pool.slot_bytes // copier.num_layers,
                 self.device,
                 pool.pinning,
                 pool.step_bytes,

@@ -108,9 +108,11 @@ _ABSENT, _READY = 0, 2
 # The worker's copy method unless the extra config or KVTIER_COPY_METHOD says otherwise. Under vLLM 0.25.1 on H100s
 # (8B shape; vLLM lays the KV cache out across layers for the offloading connector, a block's 32 layers in one
 # 2 MiB page), the kernel's loads ran at a steady 33 GB/s on one machine and 51 on another (the host's ceiling for a
-# kernel reading its memory), the copy engine's at 16-55 GB/s by the load's blocks (53-55 outside vLLM in the same
-# block patterns; native's at 53), and copy-engine stores cost a no-reuse run 7-11% of its throughput against
-# 1.6-3% for the kernel's (docs/VLLM.md, "Serving a model").
+# kernel reading its memory), the copy engine's at 16-55 GB/s on some machines and at native's rate with the same
+# blocks on another; where they were fast, the copy engine's turns beat the kernel's by 0.02-0.06 s, where they were
+# slow the kernel's beat them by up to 0.33 s: no one method leads on every machine, and the kernel's losses are the
+# smaller. Copy-engine stores cost a no-reuse run 7-11% of its throughput against 1.6-3% for the kernel's
+# (docs/VLLM.md, "Serving a model" and "Runs K, L and M").
 WORKER_COPY_METHOD = "kernel"
 # The worker's kernel grid bound for stores unless set otherwise: stores run beside the model's GEMMs, and each CTA
 # they hold is an SM the model waits for. Under vLLM 0.25.1 on an H100 (8B shape), 2 CTAs against the cache's 8 took

@@ -476,11 +476,12 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM. A
     load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there).
 
-    With one page copier of one layer (vLLM's KV caches in one tensor across layers), each load is copied a second
-    time into a scratch tensor of this process's own (``scratch_gbs``), its blocks placed so that it keeps its runs:
-    vLLM's KV tensor or this process, whichever sets the rate; and a third time into vLLM's blocks as two calls of
-    alternate pages (``alternate_gbs``): one copy a page, no two adjacent in a call, as native's loads come when its
-    host blocks do not follow the GPU blocks."""
+    With one page copier (vLLM's KV caches in tensors of one shape), each load is copied a second time into a
+    scratch tensor of this process's own whose blocks hold the copier's layers back to back (the layout vLLM gives
+    the offloading worker when it lays the KV cache out across layers), its blocks placed so that it keeps its runs
+    (``scratch_gbs``): vLLM's KV tensors or this process, whichever sets the rate; and a third time into vLLM's blocks
+    as two calls of alternate pages (``alternate_gbs``): one copy a page, no two adjacent in a call, as native's loads
+    come when its host blocks do not follow the GPU blocks."""
     import numpy as np
     import torch
 
@@ -491,11 +492,13 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     if cuda:
         torch.cuda.synchronize(copier.device)  # no store may still be reading a block the replay writes
     scratch = None
-    if len(copier.copiers) == 1 and copier.copiers[0].num_layers == 1:
+    if len(copier.copiers) == 1:
         c = copier.copiers[0]
         longest = max((j["blocks"] for p in prefix for run in p["turn2"]["runs_jobs"] for j in run), default=1)
         blocks = torch.empty((2 * longest, c.page_bytes), dtype=torch.uint8, device=copier.device)
-        scratch = PageCopier(blocks, c.host, method=c.method, crossover_bytes=c.crossover_bytes,
+        layer = c.page_bytes // c.num_layers
+        layers = [blocks[:, i * layer : (i + 1) * layer] for i in range(c.num_layers)]
+        scratch = PageCopier(layers, c.host, method=c.method, crossover_bytes=c.crossover_bytes,
                              piece_bytes=c.piece_bytes)  # fmt: skip
 
     def timed(copies: list[tuple[Any, Any, Any, Any]]) -> Callable[[], float]:
