@@ -338,9 +338,9 @@ def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:
 
 @pytest.mark.parametrize("layers", [1, 4])
 def test_replay_of_one_page_copier_also_copies_into_a_scratch_tensor(layers: int) -> None:
-    """vLLM's KV caches in tensors of one shape (one page copier: one tensor across layers, or a view a layer of
-    one): each load is copied again into a scratch tensor of the process's own, and its rate reported beside the one
-    into vLLM's blocks."""
+    """vLLM's KV caches in tensors of one shape (one page copier: one tensor across layers, or a view of each layer
+    in it): each load is copied again into a scratch tensor of the process's own, and its rate reported beside the
+    one into vLLM's blocks."""
     torch = pytest.importorskip("torch")
     from kvtier.vllm.copy import ChunkCopier
 
