@@ -1066,9 +1066,12 @@ mod tests {
         layers_of([(0x100000, 2048), (0x300000, 2560), (0x400000, 2048), (0x900000, 2560)])
     }
 
-    fn layers_of(layers: [(u64, u64); 4]) -> (Arc<HostPool>, PageCopier) {
+    /// A copier of segments of 1536 bytes in the given layers (base, stride), its host pages pinned in steps of the
+    /// next power of two above a page (8192 bytes for four layers).
+    fn layers_of<const N: usize>(layers: [(u64, u64); N]) -> (Arc<HostPool>, PageCopier) {
         let layers = layers.map(|(base, stride)| Layer { base, stride }).to_vec();
-        let host = Arc::new(HostPool::new(8, 6144, 8192, Some(false), PinMethod::Auto).unwrap());
+        let page = 1536 * N as u64;
+        let host = Arc::new(HostPool::new(8, page, page.next_power_of_two(), Some(false), PinMethod::Auto).unwrap());
         host.grow_to(8).unwrap();
         let pool = GpuPool { layers, num_blocks: 16, segment_bytes: 1536, device: None };
         // SAFETY: no copy is made.
@@ -1123,12 +1126,7 @@ mod tests {
         let (_host, even) = layers_of([(0x100000, 2048), (0x200000, 2048), (0x300000, 2048), (0x400000, 2048)]);
         assert_eq!(even.dma_shape(&[0, 2, 9], &[0, 1, 2], &(0..4)), Shape::Pieces);
         // With more layers than four in the run, the page's rows win.
-        let layers = (0..8).map(|l| Layer { base: 0x100000 * (l + 1), stride: 2048 }).collect();
-        let host = Arc::new(HostPool::new(8, 8 * 1536, 16384, Some(false), PinMethod::Auto).unwrap());
-        host.grow_to(8).unwrap();
-        let pool = GpuPool { layers, num_blocks: 16, segment_bytes: 1536, device: None };
-        // SAFETY: no copy is made.
-        let c = unsafe { PageCopier::new(pool, host, CopyOptions::default()).unwrap() };
+        let (_host, c) = layers_of(std::array::from_fn::<_, 8, _>(|l| (0x100000 * (l as u64 + 1), 2048)));
         assert_eq!(c.dma_shape(&[0, 2, 9], &[0, 1, 2], &(0..8)), Shape::PageRows);
     }
 
