@@ -206,13 +206,53 @@ def test_transfers_sum_the_loads_alone_and_keep_every_jobs_timeline() -> None:
     assert (empty["load_jobs"], empty["jobs"]) == (0, [])
 
 
+def test_transfers_time_the_engine_threads_submit_calls_and_its_cpu_there() -> None:
+    import time
+
+    class Blocking(_Worker):
+        def submit_load(self, job_id: int, src: object, dst: object) -> bool:
+            time.sleep(0.02)  # waits (a lock, the GIL): its thread's CPU stays idle
+            return super().submit_load(job_id, src, dst)
+
+        def submit_store(self, job_id: int, src: object, dst: object) -> bool:
+            end = time.thread_time() + 0.02  # works (or spins) on its CPU
+            while time.thread_time() < end:
+                pass
+            return super().submit_store(job_id, src, dst)
+
+    worker = Blocking()
+    transfers = serve.Transfers(worker)
+    worker.submit_load(1, None, _Spec([1]))
+    worker.submit_store(2, _Spec([2]), None)
+    worker.submit_load(3, None, _Spec([3]))
+    worker.get_finished()
+    f = transfers.figures()
+    load, store, _ = f["jobs"]
+    assert load["submit_call_ms"] >= 20 and load["submit_cpu_ms"] < 5, load
+    assert store["submit_cpu_ms"] >= 20 and store["submit_call_ms"] >= 19, store  # two clocks: no finer comparison
+    # The turn's figures sum its loads' calls alone.
+    loads = [j for j in f["jobs"] if j["kind"] == "load"]
+    assert f["load_submit_ms"] == pytest.approx(sum(j["submit_call_ms"] for j in loads)) and f["load_submit_ms"] >= 40
+    assert f["load_submit_cpu_ms"] == pytest.approx(sum(j["submit_cpu_ms"] for j in loads))
+
+    class Failing(_Worker):
+        def submit_load(self, job_id: int, src: object, dst: object) -> bool:
+            raise RuntimeError("refused")
+
+    worker = Failing()
+    transfers = serve.Transfers(worker)
+    with pytest.raises(RuntimeError, match="refused"):
+        worker.submit_load(4, None, _Spec([1]))
+    assert "submit_call_ms" in transfers.submitted[4][0], "a call that raised is timed too"
+
+
 def test_transfers_keep_each_jobs_ids_when_asked() -> None:
     worker = _Worker()
     plain = serve.Transfers(worker)
     worker.submit_load(1, _Spec([40, 41]), _Spec([7, 8, 9, 3]))
     worker.get_finished()
     assert [sorted(j) for j in plain.figures()["jobs"]] == [
-        ["blocks", "bytes", "copy_ms", "done_ms", "kind", "runs", "submit_ms"]
+        ["blocks", "bytes", "copy_ms", "done_ms", "kind", "runs", "submit_call_ms", "submit_cpu_ms", "submit_ms"]
     ], "ids are kept only when asked for"
     worker = _Worker()
     transfers = serve.Transfers(worker, ids=True)
@@ -230,10 +270,11 @@ def test_transfers_keep_each_jobs_ids_when_asked() -> None:
 
 
 def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pytest.CaptureFixture[str]) -> None:
-    def turn(s: float, runs: list[float], rates: list[float | None]) -> dict[str, object]:
+    def turn(s: float, runs: list[float], rates: list[float | None], calls: list[float] | None = None) -> dict:
         gbs = sorted(r for r in rates if r)
         return {"s": s, "runs_s": runs, "tier_hit_tokens": 64, "load_gbs": gbs[len(gbs) // 2] if gbs else None,
-                "runs_load_gbs": rates}  # fmt: skip
+                "runs_load_gbs": rates, "runs_load_submit_ms": calls or [],
+                "runs_load_submit_cpu_ms": [c / 10 for c in calls or []]}  # fmt: skip
 
     none = {
         "config": "none",
@@ -250,7 +291,7 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     }
     native = {
         "config": "native",
-        "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.2, [0.21, 0.2, 0.19], [40, 50, 45])}],
+        "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.2, [0.21, 0.2, 0.19], [40, 50, 45], [80, 90, 20])}],
     }
     lru = {"config": "kvtier-lru", "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.3, [0.3, 0.32], [None, None])}]}
     rows = serve.summarize_prefix([none, native, lru])
@@ -259,8 +300,9 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     serve.print_prefix(rows, ["none", "native", "kvtier-lru"])
     out = capsys.readouterr().out
     assert "turn-2 runs, seconds: native 0.190-0.210, kvtier-lru 0.300-0.320" in out
-    # Rates only where the worker timed its loads, each with its runs' range.
-    assert out.rstrip().endswith("medians, runs): native 45.0 (40.0-50.0)")
+    # Rates only where the worker timed its loads, each with its runs' range; submit calls where they were watched.
+    assert "medians, runs): native 45.0 (40.0-50.0)\n" in out
+    assert out.rstrip().endswith("(medians of the turns' sums): native 80.0 (8.0 on its CPU)")
 
 
 def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_path: Path, monkeypatch) -> None:

@@ -12,12 +12,13 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   hit plus the prefix bytes at memcpy speed. Turn 2 and the GPU hit run `--repeats` times (other new tokens each
   time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
-  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU). `--json` keeps each timed
-  turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, its GPU
-  blocks and their runs of consecutive ids, its bytes and its copies' ms (with `--job-ids`, the GPU block ids and
-  the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies again outside vLLM; a kvtier
-  configuration also copies them again itself, in its process after its timed turns, and prints and keeps those
-  rates: `replay`).
+  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU) and the time the engine's
+  thread spent inside the worker's load submit calls (the engine loop waits that long). `--json` keeps each timed
+  turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, how long
+  its submit call took and the thread's CPU time in it, its GPU blocks and their runs of consecutive ids, its bytes
+  and its copies' ms (with `--job-ids`, the GPU block ids and the vLLM chunk ids themselves, which
+  `benches/load_patterns.py --replay` copies again outside vLLM; a kvtier configuration also copies them again
+  itself, in its process after its timed turns, and prints and keeps those rates: `replay`).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -204,7 +205,9 @@ class Transfers:
     its transfer metrics record; native's and kvtier's workers both time their copies on the GPU). ``figures``
     sums the loads; ``timeline`` lists every job completed since the last ``clear``, in the order the worker reported
     them: its direction, when it was submitted and seen done (ms after the ``clear``; a job submitted before it has a
-    negative ``submit_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms; with
+    negative ``submit_ms``), how long the engine's thread was inside the worker's submit call and its CPU time there
+    (``submit_call_ms``, ``submit_cpu_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its
+    copies' ms; with
     ``ids``, also the ids themselves (``gpu_ids``, and ``host_ids``: the offloading side's, vLLM chunk ids). No
     worker: nothing is counted."""
 
@@ -217,28 +220,31 @@ class Transfers:
             return
         submit_load, submit_store, get_finished = worker.submit_load, worker.submit_store, worker.get_finished
 
-        # submit_store(job_id, src_spec, dst_spec) / submit_load(job_id, src_spec, dst_spec): the GPU side is a
-        # store's source and a load's destination.
-        def watch(kind: str, job_id: int, gpu: Any, host: Any) -> None:
+        def watched(kind: str, submit: Any, job_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # submit_store(job_id, src_spec, dst_spec) / submit_load(job_id, src_spec, dst_spec): the GPU side is a
+            # store's source and a load's destination.
+            src = args[0] if args else kwargs.get("src_spec")
+            dst = args[1] if len(args) > 1 else kwargs.get("dst_spec")
+            gpu, host = (dst, src) if kind == "load" else (src, dst)
             blocks, runs = _gpu_blocks(gpu)
             entry: dict[str, Any] = {"kind": kind, "blocks": blocks, "runs": runs}
             if self.keep_ids:
                 entry.update(gpu_ids=_ids(gpu), host_ids=_ids(host))
-            self.submitted[job_id] = (entry, time.perf_counter())
-
-        def specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            src = args[0] if args else kwargs.get("src_spec")
-            return src, args[1] if len(args) > 1 else kwargs.get("dst_spec")
+            at, cpu = time.perf_counter(), time.thread_time()
+            self.submitted[job_id] = (entry, at)
+            try:
+                return submit(job_id, *args, **kwargs)
+            finally:
+                # The engine's thread is inside the worker's call for this long; the share it spent on its CPU
+                # tells work or spinning (near all of it) from waiting (a lock, the GIL: near none).
+                entry["submit_call_ms"] = 1e3 * (time.perf_counter() - at)
+                entry["submit_cpu_ms"] = 1e3 * (time.thread_time() - cpu)
 
         def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            src, dst = specs(args, kwargs)
-            watch("load", job_id, dst, src)
-            return submit_load(job_id, *args, **kwargs)
+            return watched("load", submit_load, job_id, args, kwargs)
 
         def watched_store(job_id: int, *args: Any, **kwargs: Any) -> Any:
-            src, dst = specs(args, kwargs)
-            watch("store", job_id, src, dst)
-            return submit_store(job_id, *args, **kwargs)
+            return watched("store", submit_store, job_id, args, kwargs)
 
         def watched_finished() -> Any:
             results = get_finished()
@@ -269,7 +275,8 @@ class Transfers:
 
     def figures(self) -> dict[str, Any]:
         """Load jobs completed since the last clear, their bytes, the sum of their copies' seconds (None unless
-        every job was timed) and bytes over that sum (GB/s); and the ``timeline`` of every job."""
+        every job was timed) and bytes over that sum (GB/s), the engine thread's ms inside their submit calls and
+        its CPU ms there; and the ``timeline`` of every job."""
         loads = [j for j in self.timeline if j["kind"] == "load"]
         size = sum(j["bytes"] for j in loads)
         timed = bool(loads) and all(j["copy_ms"] is not None for j in loads)
@@ -279,6 +286,8 @@ class Transfers:
             "load_bytes": size,
             "load_s": seconds,
             "load_gbs": size / seconds / 1e9 if seconds else None,
+            "load_submit_ms": sum(j.get("submit_call_ms", 0.0) for j in loads),
+            "load_submit_cpu_ms": sum(j.get("submit_cpu_ms", 0.0) for j in loads),
             "jobs": list(self.timeline),
         }
 
@@ -375,6 +384,8 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tier_hit_tokens": min(r["tier_hit_tokens"] for r in runs),
         "load_gbs": statistics.median(rates) if len(rates) == len(runs) else None,
         "runs_load_gbs": [r.get("load_gbs") for r in runs],
+        "runs_load_submit_ms": [r.get("load_submit_ms") for r in runs],
+        "runs_load_submit_cpu_ms": [r.get("load_submit_cpu_ms") for r in runs],
         "runs_jobs": [r.get("jobs", []) for r in runs],
     }
 
@@ -666,6 +677,10 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "load_gbs": p["turn2"].get("load_gbs"),
                     "turn2_runs_s": p["turn2"].get("runs_s", [p["turn2"]["s"]]),
                     "runs_load_gbs": [g for g in p["turn2"].get("runs_load_gbs", []) if g],
+                    "runs_load_submit_ms": [m for m in p["turn2"].get("runs_load_submit_ms", []) if m is not None],
+                    "runs_load_submit_cpu_ms": [
+                        m for m in p["turn2"].get("runs_load_submit_cpu_ms", []) if m is not None
+                    ],
                 }
         rows.append(row)
     return rows
@@ -693,6 +708,15 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
         if rates:
             print(f"  {row['length']} x {row['prompts']}: turn-2 loads, GB/s in their copies (the worker's timing, "
                   f"medians, runs): {', '.join(rates)}")  # fmt: skip
+        calls = [
+            f"{c} {statistics.median(v['runs_load_submit_ms']):.1f} "
+            f"({statistics.median(v['runs_load_submit_cpu_ms']):.1f} on its CPU)"
+            for c, v in kvs
+            if v.get("runs_load_submit_ms") and v.get("runs_load_submit_cpu_ms")
+        ]
+        if calls:
+            print(f"  {row['length']} x {row['prompts']}: turn-2 loads, ms the engine's thread spent in the worker's "
+                  f"submit calls (medians of the turns' sums): {', '.join(calls)}")  # fmt: skip
 
 
 def _spread(values: list[float]) -> str:
