@@ -5,6 +5,7 @@ configuration gives vLLM the arguments it names."""
 from __future__ import annotations
 
 import json
+import re
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -402,3 +403,7 @@ def test_replay_of_one_page_copier_also_copies_into_a_scratch_tensor(layers: int
     assert torch.equal(kv[blocks], kept), "the alternate pages' copies are the recorded pages too"
     summary = serve.replay_summary([row])
     assert " into a scratch tensor, " in summary and summary.endswith(" in alternate pages; 6.6 there")
+    # With the worker's submit call timed under vLLM, the replay's own submit time stands beside it.
+    (row,) = serve.replay_loads(copier, [{"turn2": {"runs_jobs": [[{**load, "submit_call_ms": 12.0}]]}}])
+    assert row["submit_ms"] > 0 and row["under_vllm_submit_ms"] == 12.0
+    assert re.search(r"6\.6 there; a submit \d+\.\d\d ms here, 12\.00 there$", serve.replay_summary([row]))

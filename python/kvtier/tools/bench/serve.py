@@ -484,7 +484,9 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     """The timed turn-2 loads that ``--job-ids`` recorded (``prefix``: ``run_prefix``'s figures), copied again by a
     kvtier worker's own page copiers (``copier``: its ``ChunkCopier``) in this process, between turns: each turn's
     loads back to back on a stream of their own, as the worker submitted them. Each load's GPU blocks, their runs, its
-    rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM. A
+    rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM, the
+    host's ms in the calls that submitted it here and in the worker's submit call under vLLM (``submit_ms``,
+    ``under_vllm_submit_ms``: None when not recorded). A
     load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there).
 
     With one page copier (vLLM's KV caches in tensors of one shape), each load is copied a second time into a
@@ -512,21 +514,23 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
         scratch = PageCopier(layers, c.host, method=c.method, crossover_bytes=c.crossover_bytes,
                              piece_bytes=c.piece_bytes)  # fmt: skip
 
-    def timed(copies: list[tuple[Any, Any, Any, Any]]) -> Callable[[], float]:
+    def timed(copies: list[tuple[Any, Any, Any, Any]]) -> tuple[Callable[[], float], float]:
         """Submits ``copies`` (page copier, host slots, GPU ids, layers) between two events: their milliseconds, once
-        waited for (on the CPU, where copies are made as they are submitted, the host's time)."""
+        waited for (on the CPU, where copies are made as they are submitted, the host's time), and the host's
+        milliseconds in the submitting calls."""
         t0 = time.perf_counter()
         if not cuda:
             for c, slots, ids, layers in copies:
                 c.to_gpu(slots, ids, layers=layers)
             host_ms = 1e3 * (time.perf_counter() - t0)
-            return lambda: host_ms
+            return (lambda: host_ms), host_ms
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for c, slots, ids, layers in copies:
             c.to_gpu(slots, ids, stream=stream, layers=layers)
+        submit_ms = 1e3 * (time.perf_counter() - t0)
         end.record(stream)
-        return lambda: start.elapsed_time(end)
+        return (lambda: start.elapsed_time(end)), submit_ms
 
     rows = []
     for length in prefix:
@@ -536,18 +540,20 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
             for j in loads:
                 (group, gpu_ids, slots), *_ = copier.pairs(j["gpu_ids"], [len(j["gpu_ids"])], [0], j["host_ids"])
                 runs = [(copier.copiers[r.copier], r.layers) for r in copier.group_runs[group]]
-                ms = {"gbs": timed([(c, slots, gpu_ids, layers) for c, layers in runs])}
+                elapsed, submit_ms = timed([(c, slots, gpu_ids, layers) for c, layers in runs])
+                ms = {"gbs": elapsed}
                 if scratch is not None:  # the same runs of blocks, one block apart between runs
                     ids = np.concatenate([[0], np.cumsum(np.where(np.diff(gpu_ids) == 1, 1, 2))]).astype(np.int32)
-                    ms["scratch_gbs"] = timed([(scratch, slots, ids, None)])
+                    ms["scratch_gbs"] = timed([(scratch, slots, ids, None)])[0]
                     halves = [(np.ascontiguousarray(slots[k::2]), np.ascontiguousarray(gpu_ids[k::2])) for k in (0, 1)]
-                    ms["alternate_gbs"] = timed([(c, h, g, None) for h, g in halves for c, _ in runs])
-                timed_loads.append((j, ms))
+                    ms["alternate_gbs"] = timed([(c, h, g, None) for h, g in halves for c, _ in runs])[0]
+                timed_loads.append((j, ms, submit_ms))
             if stream is not None:
                 stream.synchronize()
-            for j, ms in timed_loads:
+            for j, ms, submit_ms in timed_loads:
                 rows.append({"turn": turn, "blocks": j["blocks"], "runs": j["runs"],
                              "under_vllm_gbs": j["bytes"] / j["copy_ms"] / 1e6 if j["copy_ms"] else None,
+                             "submit_ms": submit_ms, "under_vllm_submit_ms": j.get("submit_call_ms"),
                              **{key: j["bytes"] / elapsed() / 1e6 for key, elapsed in ms.items()}})  # fmt: skip
     return rows
 
@@ -885,7 +891,8 @@ def _prefix(
 
 
 def replay_summary(rows: list[dict[str, Any]]) -> str:
-    """The replayed loads' median rates, split by how they ran under vLLM (below 30 GB/s or not)."""
+    """The replayed loads' median rates (and submit calls' ms, where recorded under vLLM), split by how they ran
+    under vLLM (below 30 GB/s or not)."""
     parts = []
     for slow in (True, False):
         picked = [r for r in rows if r["under_vllm_gbs"] is not None and (r["under_vllm_gbs"] < 30) == slow]
@@ -897,8 +904,12 @@ def replay_summary(rows: list[dict[str, Any]]) -> str:
                 for key, name in (("scratch_gbs", "into a scratch tensor"), ("alternate_gbs", "in alternate pages"))
                 if all(key in r for r in picked)
             )
+            calls = ""
+            if all(r.get("under_vllm_submit_ms") is not None for r in picked):
+                calls = (f"; a submit {statistics.median(r['submit_ms'] for r in picked):.2f} ms here, "
+                         f"{statistics.median(r['under_vllm_submit_ms'] for r in picked):.2f} there")  # fmt: skip
             parts.append(f"{len(picked)} loads {'below' if slow else 'at or above'} 30 GB/s under vLLM: {here:.1f} "
-                         f"GB/s here{into}; {there:.1f} there")  # fmt: skip
+                         f"GB/s here{into}; {there:.1f} there{calls}")  # fmt: skip
     return "; ".join(parts) or "no timed loads"
 
 
