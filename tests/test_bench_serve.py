@@ -145,6 +145,53 @@ def test_a_repeated_turn_is_its_median_with_every_run_kept() -> None:
     assert (out["prompt_tokens"], out["gpu_hit_tokens"], out["tier_hit_tokens"]) == (64, 16, 32)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_the_busiest_threads_are_found_by_their_cpu_time_and_named() -> None:
+    import threading
+    import time
+
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    before = serve.thread_cpu_s()
+    assert threading.main_thread().name in {name for name, _ in before.values()}
+    spinner = threading.Thread(target=spin, name="spinner")
+    waiter = threading.Thread(target=release.wait, name="waiter")
+    spinner.start()
+    waiter.start()
+    try:
+        assert spun.wait(30)
+        after = serve.thread_cpu_s()  # both still alive: an ended thread is no longer in /proc
+    finally:
+        release.set()
+        spinner.join()
+        waiter.join()
+    spent = serve.busiest(before, after)
+    assert spent["spinner"] >= 0.05, spent  # 0.1 s on its CPU, read in clock ticks
+    assert "waiter" not in spent, "an idle thread is left out"
+    assert list(spent.values()) == sorted(spent.values(), reverse=True)
+    # By name, threads of one name summed; a thread not seen before counts from zero.
+    before = {1: ("a", 1.0), 2: ("b", 5.0)}
+    assert serve.busiest(before, {1: ("a", 1.5), 2: ("b", 5.0), 3: ("a", 0.25), 4: ("c", 2)}) == {"c": 2, "a": 0.75}
+
+
+def test_a_repeated_turn_keeps_each_threads_median_cpu() -> None:
+    def run(threads: dict[str, float]) -> dict[str, object]:
+        return {"s": 0.5, "tokens": [], "prompt_tokens": 1, "gpu_hit_tokens": 0, "tier_hit_tokens": 1,
+                "threads_cpu_s": threads}  # fmt: skip
+
+    out = serve.repeated([run({"main": 0.3, "cuda": 0.1}), run({"main": 0.2}), run({"main": 0.4, "cuda": 0.2})])
+    assert out["threads_cpu_s"] == {"main": pytest.approx(0.3), "cuda": pytest.approx(0.1)}
+    assert list(out["threads_cpu_s"]) == ["main", "cuda"], "busiest first"
+    assert serve.repeated([run({"x": 0.1}), run({}), run({})])["threads_cpu_s"] == {}, "a median of none: left out"
+
+
 class _Result:
     def __init__(self, job_id: int, size: int, seconds: float | None) -> None:
         self.job_id, self.success, self.transfer_size, self.transfer_time = job_id, True, size, seconds
@@ -295,6 +342,8 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
         "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.2, [0.21, 0.2, 0.19], [40, 50, 45], [80, 90, 20])}],
     }
     lru = {"config": "kvtier-lru", "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.3, [0.3, 0.32], [None, None])}]}
+    lru["prefix"][0]["turn2"]["threads_cpu_s"] = {"MainThread": 0.31, "cuda-EvtHandlr": 0.02, "a": 0.01, "b": 0.01,
+                                                  "c": 0.001}  # fmt: skip
     rows = serve.summarize_prefix([none, native, lru])
     assert rows[0]["floor_s"] == pytest.approx(0.12)
     assert rows[0]["native"]["over_floor"] == pytest.approx(0.2 / 0.12)
@@ -303,7 +352,9 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     assert "turn-2 runs, seconds: native 0.190-0.210, kvtier-lru 0.300-0.320" in out
     # Rates only where the worker timed its loads, each with its runs' range; submit calls where they were watched.
     assert "medians, runs): native 45.0 (40.0-50.0)\n" in out
-    assert out.rstrip().endswith("(medians of the turns' sums): native 80.0 (8.0 on its CPU)")
+    assert "(medians of the turns' sums): native 80.0 (8.0 on its CPU)\n" in out
+    busiest = "(medians of the turns): kvtier-lru: MainThread 0.31, cuda-EvtHandlr 0.02, a 0.01, b 0.01"
+    assert out.rstrip().endswith(busiest), "the busiest four threads"
 
 
 def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_path: Path, monkeypatch) -> None:

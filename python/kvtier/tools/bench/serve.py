@@ -13,7 +13,8 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
   ``TransferResult``: native's and kvtier's workers both time their copies on the GPU) and the time the engine's
-  thread spent inside the worker's load submit calls (the engine loop waits that long). `--json` keeps each timed
+  thread spent inside the worker's load submit calls (the engine loop waits that long) and the CPU seconds of the
+  engine process's busiest threads in turn 2 (Linux). `--json` keeps each timed
   turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, how long
   its submit call took and the thread's CPU time in it, its GPU blocks and their runs of consecutive ids, its bytes
   and its copies' ms (with `--job-ids`, the GPU block ids and the vLLM chunk ids themselves, which
@@ -292,6 +293,43 @@ class Transfers:
         }
 
 
+def thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """Each live thread of this process: its id, its name (Python's for a Python thread, else the OS's: the CUDA
+    driver's, torch's, kvtier's Rust threads) and its CPU seconds so far, user and system (Linux's /proc, in clock
+    ticks; empty where there is none)."""
+    import threading
+
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in map(int, tids):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended in between
+        # "tid (name) state ...": utime and stime are the 14th and 15th fields, the 12th and 13th after the name.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = python.get(tid) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each thread spent between two ``thread_cpu_s`` readings, by name (threads of one name summed;
+    one started in between counts from zero, one that ended is not seen), the busiest first, idle ones left out."""
+    spent: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        if used > 0:
+            spent[name] = spent.get(name, 0.0) + used
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
 class Hits:
     """Runs prompts and counts the prompt tokens each call found cached: in all (vLLM's ``num_cached_tokens`` of
     each request) and from the offloading tier (what the connector's ``get_num_new_matched_tokens`` gave vLLM's
@@ -318,16 +356,20 @@ class Hits:
 
         connector.get_num_new_matched_tokens = watched
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-        """Seconds, token ids, prompt tokens, and cached tokens from the GPU and from the offloading tier."""
+    def generate(self, prompts: list[list[int]], max_tokens: int, threads: bool = False) -> dict[str, Any]:
+        """Seconds, token ids, prompt tokens, cached tokens from the GPU and from the offloading tier; with
+        ``threads``, the CPU seconds the process's threads spent meanwhile (``busiest``; read outside the timed
+        call, but not free: the trace workload's throughput counts every call's time)."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         self.external.clear()
         self.transfers.clear()
+        before = thread_cpu_s() if threads else {}
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         dt = time.perf_counter() - t0
+        threads_cpu_s = busiest(before, thread_cpu_s()) if threads else {}
         cached = sum(int(o.num_cached_tokens or 0) for o in outs)
         tier = sum(self.external.values())
         return {
@@ -336,6 +378,7 @@ class Hits:
             "prompt_tokens": sum(map(len, prompts)),
             "gpu_hit_tokens": cached - tier,
             "tier_hit_tokens": tier,
+            "threads_cpu_s": threads_cpu_s,
             **self.transfers.figures(),
         }
 
@@ -373,8 +416,10 @@ def _memcpy_gbs(nbytes: int = 1 << 30) -> float:
 def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs of one timed turn as one: the median seconds (``s``), each run's seconds and token ids, the fewest
     tokens any run took from the GPU and from the offloading tier, the median rate of the tier's loads and each
-    run's rate and timeline of transfers (``Transfers``)."""
+    run's rate and timeline of transfers (``Transfers``), and each thread's median CPU seconds in a run."""
     rates = [r["load_gbs"] for r in runs if r.get("load_gbs")]
+    names = {name for r in runs for name in r.get("threads_cpu_s", {})}
+    threads = {name: statistics.median(r.get("threads_cpu_s", {}).get(name, 0.0) for r in runs) for name in names}
     return {
         "s": statistics.median(r["s"] for r in runs),
         "runs_s": [r["s"] for r in runs],
@@ -387,6 +432,7 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs_load_submit_ms": [r.get("load_submit_ms") for r in runs],
         "runs_load_submit_cpu_ms": [r.get("load_submit_cpu_ms") for r in runs],
         "runs_jobs": [r.get("jobs", []) for r in runs],
+        "threads_cpu_s": dict(sorted(((n, c) for n, c in threads.items() if c > 0), key=lambda kv: -kv[1])),
     }
 
 
@@ -418,7 +464,7 @@ def run_prefix(hits: Hits, config: str, args: dict[str, Any], turns: str = "12")
                     if not llm.reset_prefix_cache():
                         raise RuntimeError("vLLM refused to reset its prefix cache")
                     time.sleep(args["think_s"])
-                runs.append(hits.generate(turn[1 + repeats + r], OUTPUT_TOKENS))
+                runs.append(hits.generate(turn[1 + repeats + r], OUTPUT_TOKENS, threads=True))
             row["turn2"] = repeated(runs)
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
@@ -687,6 +733,7 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "runs_load_submit_cpu_ms": [
                         m for m in p["turn2"].get("runs_load_submit_cpu_ms", []) if m is not None
                     ],
+                    "threads_cpu_s": p["turn2"].get("threads_cpu_s", {}),
                 }
         rows.append(row)
     return rows
@@ -723,6 +770,14 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
         if calls:
             print(f"  {row['length']} x {row['prompts']}: turn-2 loads, ms the engine's thread spent in the worker's "
                   f"submit calls (medians of the turns' sums): {', '.join(calls)}")  # fmt: skip
+        busy = [
+            f"{c}: " + ", ".join(f"{name} {cpu:.2f}" for name, cpu in list(v["threads_cpu_s"].items())[:4])
+            for c, v in kvs
+            if v.get("threads_cpu_s")
+        ]
+        if busy:
+            print(f"  {row['length']} x {row['prompts']}: turn 2, CPU seconds of the engine process's busiest threads "
+                  f"(medians of the turns): {'; '.join(busy)}")  # fmt: skip
 
 
 def _spread(values: list[float]) -> str:
