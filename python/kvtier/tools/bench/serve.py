@@ -12,14 +12,14 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   hit plus the prefix bytes at memcpy speed. Turn 2 and the GPU hit run `--repeats` times (other new tokens each
   time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
-  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU) and the time the engine's
+  ``TransferResult``: native's and kvtier's workers both time their copies on the GPU), the time the engine's
   thread spent inside the worker's load submit calls (the engine loop waits that long) and the CPU seconds of the
-  engine process's busiest threads in turn 2 (Linux). `--json` keeps each timed
-  turn's transfers as well (`runs_jobs`): every load and store job, when it was submitted and seen done, how long
-  its submit call took and the thread's CPU time in it, its GPU blocks and their runs of consecutive ids, its bytes
-  and its copies' ms (with `--job-ids`, the GPU block ids and the vLLM chunk ids themselves, which
-  `benches/load_patterns.py --replay` copies again outside vLLM; a kvtier configuration also copies them again
-  itself, in its process after its timed turns, and prints and keeps those rates: `replay`).
+  engine process's busiest threads in turn 2 (Linux). `--json` keeps each timed turn's transfers as well
+  (`runs_jobs`): every load and store job, when it was submitted and seen done, how long its submit call took and
+  the thread's CPU time in it, its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms (with
+  `--job-ids`, the GPU block ids and the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies
+  again outside vLLM; a kvtier configuration also copies them again itself, in its process after its timed turns,
+  and prints and keeps those rates: `replay`).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
   of the repeats.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -208,9 +209,8 @@ class Transfers:
     them: its direction, when it was submitted and seen done (ms after the ``clear``; a job submitted before it has a
     negative ``submit_ms``), how long the engine's thread was inside the worker's submit call and its CPU time there
     (``submit_call_ms``, ``submit_cpu_ms``), its GPU blocks and their runs of consecutive ids, its bytes and its
-    copies' ms; with
-    ``ids``, also the ids themselves (``gpu_ids``, and ``host_ids``: the offloading side's, vLLM chunk ids). No
-    worker: nothing is counted."""
+    copies' ms; with ``ids``, also the ids themselves (``gpu_ids``, and ``host_ids``: the offloading side's, vLLM
+    chunk ids). No worker: nothing is counted."""
 
     def __init__(self, worker: Any | None, ids: bool = False) -> None:
         # Jobs submitted and not yet seen done: their timeline entry so far, and when they were submitted.
@@ -297,8 +297,6 @@ def thread_cpu_s() -> dict[int, tuple[str, float]]:
     """Each live thread of this process: its id, its name (Python's for a Python thread, else the OS's: the CUDA
     driver's, torch's, kvtier's Rust threads) and its CPU seconds so far, user and system (Linux's /proc, in clock
     ticks; empty where there is none)."""
-    import threading
-
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -532,8 +530,8 @@ def replay_loads(copier: Any, prefix: list[dict[str, Any]]) -> list[dict[str, An
     loads back to back on a stream of their own, as the worker submitted them. Each load's GPU blocks, their runs, its
     rate here (GB/s; timing events on CUDA, the host's clock otherwise) and the rate its copies had under vLLM, the
     host's ms in the calls that submitted it here and in the worker's submit call under vLLM (``submit_ms``,
-    ``under_vllm_submit_ms``: None when not recorded). A
-    load's host slots are its vLLM chunks' slots from the chunk's first block (a prefix load starts there).
+    ``under_vllm_submit_ms``: None when not recorded). A load's host slots are its vLLM chunks' slots from the
+    chunk's first block (a prefix load starts there).
 
     With one page copier (vLLM's KV caches in tensors of one shape), each load is copied a second time into a
     scratch tensor of this process's own whose blocks hold the copier's layers back to back (the layout vLLM gives
