@@ -278,10 +278,16 @@ def test_transfers_time_the_engine_threads_submit_calls_and_its_cpu_there() -> N
     load, store, _ = f["jobs"]
     assert load["submit_call_ms"] >= 20 and load["submit_cpu_ms"] < 5, load
     assert store["submit_cpu_ms"] >= 20 and store["submit_call_ms"] >= 19, store  # two clocks: no finer comparison
-    # The turn's figures sum its loads' calls alone.
+    # The turn's figures sum the calls of each direction.
     loads = [j for j in f["jobs"] if j["kind"] == "load"]
     assert f["load_submit_ms"] == pytest.approx(sum(j["submit_call_ms"] for j in loads)) and f["load_submit_ms"] >= 40
     assert f["load_submit_cpu_ms"] == pytest.approx(sum(j["submit_cpu_ms"] for j in loads))
+    assert (f["store_submit_ms"], f["store_submit_cpu_ms"]) == (store["submit_call_ms"], store["submit_cpu_ms"])
+    # Calls made since the last clear, whether or not their jobs were seen done.
+    transfers.clear()
+    worker.submit_store(5, _Spec([4]), None)
+    f = transfers.figures()
+    assert f["jobs"] == [] and f["store_submit_cpu_ms"] >= 20 and f["load_submit_ms"] == 0.0
 
     class Failing(_Worker):
         def submit_load(self, job_id: int, src: object, dst: object) -> bool:
@@ -355,6 +361,23 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     assert "(medians of the turns' sums): native 80.0 (8.0 on its CPU)\n" in out
     busiest = "(medians of the turns): kvtier-lru: MainThread 0.31, cuda-EvtHandlr 0.02, a 0.01, b 0.01"
     assert out.rstrip().endswith(busiest), "the busiest four threads"
+
+
+def test_the_no_reuse_lines_say_each_configurations_rate_and_store_submits(capsys: pytest.CaptureFixture[str]) -> None:
+    def result(config: str, rate: float, **calls: float) -> dict[str, object]:
+        return {"config": config, "noreuse": {"requests_per_s": rate, **calls}}
+
+    serve.print_noreuse([
+        result("none", 10.0),
+        result("native", 9.9, store_submit_ms=41.25, store_submit_cpu_ms=3.0),
+        result("kvtier-lru", 9.8, store_submit_ms=2.0, store_submit_cpu_ms=1.9),
+    ])  # fmt: skip
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == "no reuse: requests/s (against no offloading): none 10.00 (1.000), native 9.90 (0.990), " \
+        "kvtier-lru 9.80 (0.980)"  # fmt: skip
+    assert second.endswith("(medians; of it on its CPU): native 41.2 (3.0), kvtier-lru 2.0 (1.9)")
+    serve.print_noreuse([result("none", 10.0), result("native", 9.9)])  # a run recorded before the calls were timed
+    assert capsys.readouterr().out.count("\n") == 1
 
 
 def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_path: Path, monkeypatch) -> None:

@@ -21,7 +21,7 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   again outside vLLM; a kvtier configuration also copies them again itself, in its process after its timed turns,
   and prints and keeps those rates: `replay`).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
-  of the repeats.
+  of the repeats, and the ms the engine's thread spent in the worker's store submit calls a run.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
   `kvtier bench trace` replays; the requests in file order, one at a time, one output token: a request's time is
   its time to first token), every hash id its own block of token ids, prompts capped at `--trace-max-tokens`.
@@ -240,6 +240,9 @@ class Transfers:
                 # tells work or spinning (near all of it) from waiting (a lock, the GIL: near none).
                 entry["submit_call_ms"] = 1e3 * (time.perf_counter() - at)
                 entry["submit_cpu_ms"] = 1e3 * (time.thread_time() - cpu)
+                calls = self.submit_calls[kind]
+                calls[0] += entry["submit_call_ms"]
+                calls[1] += entry["submit_cpu_ms"]
 
         def watched_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
             return watched("load", submit_load, job_id, args, kwargs)
@@ -273,11 +276,13 @@ class Transfers:
     def clear(self) -> None:
         self.timeline: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
+        # The submit calls made since: their ms in all and the thread's CPU ms in them, by direction.
+        self.submit_calls = {"load": [0.0, 0.0], "store": [0.0, 0.0]}
 
     def figures(self) -> dict[str, Any]:
         """Load jobs completed since the last clear, their bytes, the sum of their copies' seconds (None unless
-        every job was timed) and bytes over that sum (GB/s), the engine thread's ms inside their submit calls and
-        its CPU ms there; and the ``timeline`` of every job."""
+        every job was timed) and bytes over that sum (GB/s); the engine thread's ms inside the load and store submit
+        calls made since, and its CPU ms there; and the ``timeline`` of every job."""
         loads = [j for j in self.timeline if j["kind"] == "load"]
         size = sum(j["bytes"] for j in loads)
         timed = bool(loads) and all(j["copy_ms"] is not None for j in loads)
@@ -287,8 +292,10 @@ class Transfers:
             "load_bytes": size,
             "load_s": seconds,
             "load_gbs": size / seconds / 1e9 if seconds else None,
-            "load_submit_ms": sum(j.get("submit_call_ms", 0.0) for j in loads),
-            "load_submit_cpu_ms": sum(j.get("submit_cpu_ms", 0.0) for j in loads),
+            "load_submit_ms": self.submit_calls["load"][0],
+            "load_submit_cpu_ms": self.submit_calls["load"][1],
+            "store_submit_ms": self.submit_calls["store"][0],
+            "store_submit_cpu_ms": self.submit_calls["store"][1],
             "jobs": list(self.timeline),
         }
 
@@ -484,6 +491,8 @@ def run_noreuse(hits: Hits, args: dict[str, Any]) -> dict[str, Any]:
         "prompts": count,
         "times_s": times,
         "requests_per_s": count / statistics.median(times),
+        "store_submit_ms": statistics.median(run["store_submit_ms"] for run in runs),
+        "store_submit_cpu_ms": statistics.median(run["store_submit_cpu_ms"] for run in runs),
         "tokens": [run["tokens"] for run in runs],
     }
 
@@ -934,13 +943,28 @@ def _prefix(
     print_prefix(report["prefix"], configs)
     if args.noreuse:
         report["noreuse"] = {r["config"]: r["noreuse"]["requests_per_s"] for r in results}
-        base = report["noreuse"]["none"]
-        print("no reuse: requests/s (against no offloading): " + ", ".join(
-            f"{c} {v:.2f} ({v / base:.3f})" for c, v in report["noreuse"].items()))  # fmt: skip
+        print_noreuse(results)
     for r in results:
         if r.get("replay"):
             print(f"{r['config']}: its turn-2 loads again, in its process between turns: {replay_summary(r['replay'])}")
     report["prefix_runs"] = [{k: v for k, v in r.items()} for r in results]
+
+
+def print_noreuse(results: list[dict[str, Any]]) -> None:
+    """The no-reuse workload's requests a second by configuration, against no offloading's, and the ms the engine's
+    thread spent in the worker's store submit calls a run (medians; and its CPU ms there)."""
+    base = next(r for r in results if r["config"] == "none")["noreuse"]["requests_per_s"]
+    rates = [f"{r['config']} {r['noreuse']['requests_per_s']:.2f} ({r['noreuse']['requests_per_s'] / base:.3f})"
+             for r in results]  # fmt: skip
+    print("no reuse: requests/s (against no offloading): " + ", ".join(rates))
+    calls = [
+        f"{r['config']} {r['noreuse']['store_submit_ms']:.1f} ({r['noreuse']['store_submit_cpu_ms']:.1f})"
+        for r in results
+        if r["config"] != "none" and "store_submit_ms" in r["noreuse"]
+    ]
+    if calls:
+        print("no reuse: ms the engine's thread spent in the worker's store submit calls a run (medians; of it on its "
+              "CPU): " + ", ".join(calls))  # fmt: skip
 
 
 def replay_summary(rows: list[dict[str, Any]]) -> str:
