@@ -3,20 +3,23 @@
 Under vLLM the copy engine's loads ran slower the more copies a load made (docs/VLLM.md, "Runs H and I"). This
 measures the same loads outside any engine: GPU block ids in one run, descending, scattered, in a few long runs or in
 pairs, from host slots in order or scattered; by the copy engine (pieces merged where blocks and slots are both
-consecutive, or one 2 MiB piece a page), by the kernel, and by torch's own per-page copies as a reference; alone,
+consecutive, or one 2 MiB piece a page), by the kernel, and by torch's own copies (one a segment) as a reference; alone,
 then beside engine-like work on another stream (bf16 GEMMs and small host -> GPU copies). Each figure is the median
 of five timed loads (the rate by timing events on the copy's stream, the submit's time on the host), each waited for
 before the next; then every pattern's load is submitted back to back on one stream, as an engine's worker submits a
 turn's loads, each timed by its own events. ``--gpu-gib`` sizes the GPU block pool (a vLLM engine's is most of the
 GPU); ``--host-gib``, ``--pin-step-mib`` and ``--pin-method`` make the host pool: its size, the steps it is pinned in
 and how (a vLLM worker's pool is vLLM's offloading size, pinned in 256 MiB steps by default); ``--allocations``
-makes that many small pinned host and GPU tensors first, as an engine's process holds. ``--replay`` copies again the
+makes that many small pinned host and GPU tensors first, as an engine's process holds. ``--kv-tensors N`` splits each
+2 MiB block into N segments, one in each of N tensors that are views of one allocation, evenly spaced (vLLM 0.25.1's
+8B-shaped pool is 32 tensors of 64 KiB a block: a block the copy engine moves alone is N copies, or one 2D copy of N
+rows; ``--gpu-gib`` sets their spacing). ``--replay`` copies again the
 turn-2 loads that ``kvtier bench serve --json J --job-ids`` recorded under vLLM (the same GPU blocks and host slots,
 submitted back to back turn by turn, by the copy engine and by the kernel) beside the rates vLLM's run measured.
 Needs a GPU:
 
     python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto]
-        [--allocations 0] [--replay SERVE_JSON] [--json FILE]
+        [--allocations 0] [--kv-tensors 1] [--replay SERVE_JSON] [--json FILE]
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ def main() -> None:
         help="this many small pinned host tensors and GPU tensors made first, as an engine's process holds",
     )
     parser.add_argument(
+        "--kv-tensors", type=int, default=1, help="the GPU pool's tensors, each holding an equal segment of every block"
+    )
+    parser.add_argument(
         "--replay",
         metavar="SERVE_JSON",
         help="copy again, here, the turn-2 loads a `kvtier bench serve --json --job-ids` run recorded under vLLM",
@@ -130,7 +136,11 @@ def main() -> None:
         gpu_blocks = max([gpu_blocks, *(int(g.max()) + 1 for g, _, _ in loads)])
     if gpu_blocks < 4000:
         raise SystemExit(f"--gpu-gib {args.gpu_gib} holds {gpu_blocks} blocks of 2 MiB; the patterns reach block 3999")
-    gpu = torch.empty((gpu_blocks, PAGE), dtype=torch.uint8, device="cuda")
+    tensors = args.kv_tensors
+    if tensors < 1 or PAGE % (tensors * 16):
+        raise SystemExit(f"--kv-tensors {tensors}: a 2 MiB block does not split into that many 16-byte multiples")
+    gpu = torch.empty((tensors, gpu_blocks, PAGE // tensors), dtype=torch.uint8, device="cuda")
+    pool = [gpu[t] for t in range(tensors)]
     # Sizes that vary, so neither torch's caching allocators nor the driver hand back one block for all of them.
     _held = [
         (
@@ -152,10 +162,10 @@ def main() -> None:
         "scattered": rng.choice(host_slots, PAGES, replace=False).astype(np.int32),
     }
     methods = {
-        "copy engine": PageCopier(gpu, host, method="dma"),
-        "copy engine, 2 MiB pieces": PageCopier(gpu, host, method="dma", piece_bytes=PAGE),
-        "kernel": PageCopier(gpu, host, method="kernel"),
-        "torch, a copy a page": None,
+        "copy engine": PageCopier(pool, host, method="dma"),
+        "copy engine, 2 MiB pieces": PageCopier(pool, host, method="dma", piece_bytes=PAGE),
+        "kernel": PageCopier(pool, host, method="kernel"),
+        "torch, a copy a segment": None,
     }
     stream = torch.cuda.Stream()
     rows = []
@@ -170,7 +180,8 @@ def main() -> None:
         if copier is None:
             with torch.cuda.stream(stream):
                 for g, h in zip(ids.tolist(), slots.tolist(), strict=True):
-                    gpu[g].copy_(host_pages[h], non_blocking=True)
+                    for t, segment in enumerate(host_pages[h].view(tensors, -1)):
+                        gpu[t, g].copy_(segment, non_blocking=True)
         else:
             copier.to_gpu(slots, ids, stream=stream)
         submit = time.perf_counter() - t0
