@@ -137,9 +137,11 @@ def test_a_repeated_turn_is_its_median_with_every_run_kept() -> None:
         return {"s": s, "tokens": [[token]], "prompt_tokens": 64, "gpu_hit_tokens": 16, "tier_hit_tokens": tier}
 
     jobs = [{"kind": "load", "submit_ms": 1.0}]
-    out = serve.repeated([run(0.5, 48, 1), {**run(0.3, 48, 2), "jobs": jobs}, run(0.9, 32, 3)])
+    steps = {"longest_step_ms": 12.5}
+    out = serve.repeated([run(0.5, 48, 1), {**run(0.3, 48, 2), "jobs": jobs, **steps}, run(0.9, 32, 3)])
     assert out["s"] == 0.5 and out["runs_s"] == [0.5, 0.3, 0.9]
     assert out["runs_jobs"] == [[], jobs, []], "each run's transfers, in run order"
+    assert out["runs_longest_step_ms"] == [None, 12.5, None]
     assert out["tokens"] == [[[1]], [[2]], [[3]]]
     # The fewest hit tokens of any run: one run that missed is not hidden by the others.
     assert (out["prompt_tokens"], out["gpu_hit_tokens"], out["tier_hit_tokens"]) == (64, 16, 32)
@@ -254,6 +256,34 @@ def test_transfers_sum_the_loads_alone_and_keep_every_jobs_timeline() -> None:
     assert (empty["load_jobs"], empty["jobs"]) == (0, [])
 
 
+def test_every_engine_step_is_timed_a_failing_one_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Core:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def step_fn(self) -> tuple[str, bool]:
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("the model failed")
+            return "outputs", True
+
+    class Engine:
+        engine_core = type("Client", (), {"engine_core": Core()})()
+
+    llm = type("LLM", (), {"llm_engine": Engine()})()
+    monkeypatch.setattr(serve, "offloading_worker", lambda: None)
+    hits = serve.Hits(llm)
+    core = llm.llm_engine.engine_core.engine_core
+    assert core.step_fn() == ("outputs", True), "the step's result passes through"
+    with pytest.raises(RuntimeError, match="the model failed"):
+        core.step_fn()
+    core.step_fn()
+    assert core.calls == 3 and len(hits.steps) == 3 and all(s >= 0 for s in hits.steps)
+    # An engine without a step function (another vLLM's core) is left alone: no steps, no longest step.
+    bare = type("LLM", (), {"llm_engine": type("E", (), {"engine_core": None})()})()
+    assert serve.Hits(bare).steps == []
+
+
 def test_transfers_time_the_engine_threads_submit_calls_and_its_cpu_there() -> None:
     import time
 
@@ -347,6 +377,7 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
         "config": "native",
         "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.2, [0.21, 0.2, 0.19], [40, 50, 45], [80, 90, 20])}],
     }
+    native["prefix"][0]["turn2"]["runs_longest_step_ms"] = [130.0, None, 90.0, 95.5]
     lru = {"config": "kvtier-lru", "prefix": [{"turn1": {"s": 1.1}, "turn2": turn(0.3, [0.3, 0.32], [None, None])}]}
     lru["prefix"][0]["turn2"]["threads_cpu_s"] = {"MainThread": 0.31, "cuda-EvtHandlr": 0.02, "a": 0.01, "b": 0.01,
                                                   "c": 0.001}  # fmt: skip
@@ -359,6 +390,7 @@ def test_the_prefix_table_says_each_turns_spread_and_its_loads_rates(capsys: pyt
     # Rates only where the worker timed its loads, each with its runs' range; submit calls where they were watched.
     assert "medians, runs): native 45.0 (40.0-50.0)\n" in out
     assert "(medians of the turns' sums): native 80.0 (8.0 on its CPU)\n" in out
+    assert "a token (medians of the turns): native 95.5\n" in out, "steps where they were timed, runs without left out"
     busiest = "(medians of the turns): kvtier-lru: MainThread 0.31, cuda-EvtHandlr 0.02, a 0.01, b 0.01"
     assert out.rstrip().endswith(busiest), "the busiest four threads"
 

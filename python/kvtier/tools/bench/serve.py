@@ -13,8 +13,9 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   time, the GPU's prefix cache reset before each turn 2); their medians are reported, with the rate of the
   tier's loads in their copies (bytes over the seconds the offloading worker reports for its load jobs, vLLM's
   ``TransferResult``: native's and kvtier's workers both time their copies on the GPU), the time the engine's
-  thread spent inside the worker's load submit calls (the engine loop waits that long) and the CPU seconds of the
-  engine process's busiest threads in turn 2 (Linux). `--json` keeps each timed turn's transfers as well
+  thread spent inside the worker's load submit calls (the engine loop waits that long), the engine's longest step in
+  turn 2 (a request decoding beside the turn would wait about that long for a token) and the CPU seconds of the engine
+  process's busiest threads in turn 2 (Linux). `--json` keeps each timed turn's transfers as well
   (`runs_jobs`): every load and store job, when it was submitted and seen done, how long its submit call took and
   the thread's CPU time in it, its GPU blocks and their runs of consecutive ids, its bytes and its copies' ms (with
   `--job-ids`, the GPU block ids and the vLLM chunk ids themselves, which `benches/load_patterns.py --replay` copies
@@ -345,7 +346,11 @@ class Hits:
         self.llm = llm
         self.external: dict[str, int] = {}
         self.transfers = Transfers(offloading_worker(), ids=job_ids)
+        # Each engine step's seconds: a request decoding beside a turn waits the longest of them for a token.
+        self.steps: list[float] = []
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        if core is not None and callable(getattr(core, "step_fn", None)):
+            core.step_fn = timed_calls(core.step_fn, self.steps)
         connector = getattr(getattr(core, "scheduler", None), "connector", None)
         # The offloading manager (scheduler side), to wait for its work after a turn (drain).
         self.manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
@@ -370,6 +375,7 @@ class Hits:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         self.external.clear()
         self.transfers.clear()
+        self.steps.clear()
         before = thread_cpu_s() if threads else {}
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -384,8 +390,22 @@ class Hits:
             "gpu_hit_tokens": cached - tier,
             "tier_hit_tokens": tier,
             "threads_cpu_s": threads_cpu_s,
+            "longest_step_ms": 1e3 * max(self.steps) if self.steps else None,
             **self.transfers.figures(),
         }
+
+
+def timed_calls(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``fn``, appending each call's wall seconds to ``into`` (a call that raises as well)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return call
 
 
 def drain(hits: Hits, limit_s: float = 300.0) -> float:
@@ -436,6 +456,7 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs_load_gbs": [r.get("load_gbs") for r in runs],
         "runs_load_submit_ms": [r.get("load_submit_ms") for r in runs],
         "runs_load_submit_cpu_ms": [r.get("load_submit_cpu_ms") for r in runs],
+        "runs_longest_step_ms": [r.get("longest_step_ms") for r in runs],
         "runs_jobs": [r.get("jobs", []) for r in runs],
         "threads_cpu_s": dict(sorted(((n, c) for n, c in threads.items() if c > 0), key=lambda kv: -kv[1])),
     }
@@ -741,6 +762,7 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         m for m in p["turn2"].get("runs_load_submit_cpu_ms", []) if m is not None
                     ],
                     "threads_cpu_s": p["turn2"].get("threads_cpu_s", {}),
+                    "runs_longest_step_ms": [m for m in p["turn2"].get("runs_longest_step_ms", []) if m is not None],
                 }
         rows.append(row)
     return rows
@@ -777,6 +799,12 @@ def print_prefix(rows: list[dict[str, Any]], configs: list[str]) -> None:
         if calls:
             print(f"  {row['length']} x {row['prompts']}: turn-2 loads, ms the engine's thread spent in the worker's "
                   f"submit calls (medians of the turns' sums): {', '.join(calls)}")  # fmt: skip
+        steps = [
+            f"{c} {statistics.median(v['runs_longest_step_ms']):.1f}" for c, v in kvs if v.get("runs_longest_step_ms")
+        ]
+        if steps:
+            print(f"  {row['length']} x {row['prompts']}: turn 2, ms of the engine's longest step, which a request "
+                  f"decoding beside would wait for a token (medians of the turns): {', '.join(steps)}")  # fmt: skip
         busy = [
             f"{c}: " + ", ".join(f"{name} {cpu:.2f}" for name, cpu in list(v["threads_cpu_s"].items())[:4])
             for c, v in kvs
