@@ -749,20 +749,21 @@ def summarize_prefix(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in results:
             if r["config"] != "none":
                 p = r["prefix"][i]
+                turn2 = p["turn2"]
                 row[r["config"]] = {
                     "turn1_s": p["turn1"]["s"],
-                    "turn2_s": p["turn2"]["s"],
-                    "over_floor": p["turn2"]["s"] / floor,
-                    "tier_hit_tokens": p["turn2"]["tier_hit_tokens"],
-                    "load_gbs": p["turn2"].get("load_gbs"),
-                    "turn2_runs_s": p["turn2"].get("runs_s", [p["turn2"]["s"]]),
-                    "runs_load_gbs": [g for g in p["turn2"].get("runs_load_gbs", []) if g],
-                    "runs_load_submit_ms": [m for m in p["turn2"].get("runs_load_submit_ms", []) if m is not None],
-                    "runs_load_submit_cpu_ms": [
-                        m for m in p["turn2"].get("runs_load_submit_cpu_ms", []) if m is not None
-                    ],
-                    "threads_cpu_s": p["turn2"].get("threads_cpu_s", {}),
-                    "runs_longest_step_ms": [m for m in p["turn2"].get("runs_longest_step_ms", []) if m is not None],
+                    "turn2_s": turn2["s"],
+                    "over_floor": turn2["s"] / floor,
+                    "tier_hit_tokens": turn2["tier_hit_tokens"],
+                    "load_gbs": turn2.get("load_gbs"),
+                    "turn2_runs_s": turn2.get("runs_s", [turn2["s"]]),
+                    "runs_load_gbs": [g for g in turn2.get("runs_load_gbs", []) if g],
+                    "threads_cpu_s": turn2.get("threads_cpu_s", {}),
+                    # The runs that measured each figure (a run without it, None, left out).
+                    **{
+                        key: [m for m in turn2.get(key, []) if m is not None]
+                        for key in ("runs_load_submit_ms", "runs_load_submit_cpu_ms", "runs_longest_step_ms")
+                    },
                 }
         rows.append(row)
     return rows
