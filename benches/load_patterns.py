@@ -15,11 +15,12 @@ makes that many small pinned host and GPU tensors first, as an engine's process 
 8B-shaped pool is 32 tensors of 64 KiB a block: a block the copy engine moves alone is N copies, or one 2D copy of N
 rows; ``--gpu-gib`` sets their spacing). ``--replay`` copies again the
 turn-2 loads that ``kvtier bench serve --json J --job-ids`` recorded under vLLM (the same GPU blocks and host slots,
-submitted back to back turn by turn, by the copy engine and by the kernel) beside the rates vLLM's run measured.
-Needs a GPU:
+submitted back to back turn by turn, by the copy engine and by the kernel) beside the rates vLLM's run measured;
+``--streams N`` makes those loads take turns on N streams, each waiting for the load before (vLLM's native worker
+gives each transfer a stream of its own). Needs a GPU:
 
     python benches/load_patterns.py [--gpu-gib 8] [--host-gib 2] [--pin-step-mib 256] [--pin-method auto]
-        [--allocations 0] [--kv-tensors 1] [--replay SERVE_JSON] [--json FILE]
+        [--allocations 0] [--kv-tensors 1] [--replay SERVE_JSON] [--streams 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -125,8 +126,17 @@ def main() -> None:
         metavar="SERVE_JSON",
         help="copy again, here, the turn-2 loads a `kvtier bench serve --json --job-ids` run recorded under vLLM",
     )
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="the replay's loads take turns on this many streams, each after the load before (vLLM's native worker"
+        " gives each transfer a stream of its own)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row here as well")
     args = parser.parse_args()
+    if args.streams < 1:
+        raise SystemExit(f"--streams {args.streams}: needs at least one")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     turns = recorded_turns(args.replay) if args.replay else []
@@ -167,11 +177,12 @@ def main() -> None:
         "kernel": PageCopier(pool, host, method="kernel"),
         "torch, a copy a segment": None,
     }
-    stream = torch.cuda.Stream()
+    streams = [torch.cuda.Stream() for _ in range(args.streams)]
+    stream = streams[0]
     rows = []
 
     def load(
-        copier: PageCopier | None, ids: np.ndarray, slots: np.ndarray
+        copier: PageCopier | None, ids: np.ndarray, slots: np.ndarray, stream: torch.cuda.Stream = stream
     ) -> tuple[torch.cuda.Event, torch.cuda.Event, float]:
         """Submits one load on ``stream`` between timing events; returns them and the submit's host seconds."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -236,8 +247,13 @@ def main() -> None:
         """Each recorded turn's loads submitted back to back, as the worker submitted them, by each copy method."""
         for t, (config, loads) in enumerate(turns):
             for method in ("copy engine", "kernel"):
-                timed = [load(methods[method], g, h) for g, h, _ in loads]
-                stream.synchronize()
+                timed = []
+                for i, (g, h, _) in enumerate(loads):
+                    on = streams[i % len(streams)]
+                    if timed:
+                        on.wait_event(timed[-1][1])
+                    timed.append(load(methods[method], g, h, on))
+                torch.cuda.synchronize()
                 for (g, _, under_vllm), (start, end, submit) in zip(loads, timed, strict=True):
                     runs = runs_of(g)
                     gbs = len(g) * PAGE / start.elapsed_time(end) / 1e6
