@@ -30,7 +30,13 @@ BAD = [
     (["--workloads", "trace", "--trace", "/nonexistent/t.jsonl"], "--trace: no trace file '/nonexistent/t.jsonl'"),
     (["--workloads", "prefix", "--lengths", "4096"], "--lengths: '4096' is not TOKENSxPROMPTS"),
     (["--workloads", "prefix", "--lengths", "8x2"], "needs at least 16 tokens and one prompt"),
-    (["--workloads", "prefix", "--noreuse", "4096x0"], "needs at least 16 tokens and one prompt"),
+    (["--workloads", "prefix", "--noreuse", "4096x0"], "--noreuse: '4096x0' needs at least 16 tokens and one prompt"),
+    (["--noreuse", "4096x32,8192x16"], "--noreuse: '4096x32,8192x16' names more than one TOKENSxPROMPTS"),
+    (["--workloads", "noreuse", "--noreuse", ""], "--noreuse '' leaves it nothing to run"),
+    (["--workloads", "noreuse", "--configs", "native"], "the noreuse workload needs 'none'"),
+    (["--workloads", ""], "--workloads: name at least one of prefix, noreuse, trace, l3"),
+    (["--configs", ","], "--configs: name at least one of none, native"),
+    (["--configs", "none,native,none"], "--configs: ['none'] named more than once"),
     (["--configs", "none:copy_method=kernel"], "only kvtier's configurations take kvtier settings"),
     (["--configs", "none,kvtier-lru:kernel"], "'kernel' in 'kvtier-lru:kernel' is not SETTING=VALUE"),
     (["--think-s", "-1"], "--think-s: must be >= 0"),
@@ -513,3 +519,72 @@ def test_replay_of_one_page_copier_also_copies_into_a_scratch_tensor(layers: int
     (row,) = serve.replay_loads(copier, [{"turn2": {"runs_jobs": [[{**load, "submit_call_ms": 12.0}]]}}])
     assert row["submit_ms"] > 0 and row["under_vllm_submit_ms"] == 12.0
     assert re.search(r"6\.6 there; a submit \d+\.\d\d ms here, 12\.00 there$", serve.replay_summary([row]))
+
+
+def _fake_vllm(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
+    """A stand-in for vLLM's LLM in this process: each generate's prompts recorded, 8 output tokens each."""
+    import sys
+    import types
+
+    calls: list[list[list[int]]] = []
+
+    class LLM:
+        def __init__(self, **kwargs: object) -> None:
+            self.llm_engine = types.SimpleNamespace(engine_core=None)
+
+        def generate(self, prompts: list[dict[str, list[int]]], params: object, use_tqdm: bool) -> list[object]:
+            calls.append([p["prompt_token_ids"] for p in prompts])
+            out = types.SimpleNamespace(token_ids=[1] * 8)
+            return [types.SimpleNamespace(num_cached_tokens=0, outputs=[out]) for _ in prompts]
+
+        def reset_prefix_cache(self) -> bool:
+            return True
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+    for name in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONHASHSEED"):
+        monkeypatch.setenv(name, "0")  # what a child sets, undone after the test
+    monkeypatch.setattr(serve, "offloading_worker", lambda: None)
+    monkeypatch.setattr(serve, "_memcpy_gbs", lambda: 50.0)
+    return calls
+
+
+ENGINE_ARGS = {"model": "8b", "model_dir": "/m", "max_model_len": 4096 + 200, "gpu_memory_utilization": 0.5,
+               "gpu_blocks": 4608, "max_num_batched_tokens": 8192, "host_gib": 1.0, "kv_bytes": 131072,
+               "repeats": 2, "think_s": 0.0, "noreuse": "64x3"}  # fmt: skip
+
+
+def test_a_process_without_prefix_lengths_runs_the_no_reuse_workload_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_vllm(monkeypatch)
+    out = serve.child("none", "prefix", {**ENGINE_ARGS, "lengths": ""})
+    assert "prefix" not in out and "memcpy_h2d_gbs" not in out
+    assert [len(c) for c in calls] == [1, 3, 3], "the warm-up, then the no-reuse workload's two runs of 3 prompts"
+    assert all(len(p) == 64 for c in calls[1:] for p in c) and calls[1] != calls[2], "other prompts each run"
+    assert out["noreuse"]["prompts"] == 3 and len(out["noreuse"]["times_s"]) == 2
+
+    calls.clear()
+    out = serve.child("none", "prefix", {**ENGINE_ARGS, "lengths": "32x2"})
+    assert [r["length"] for r in out["prefix"]] == [32] and out["memcpy_h2d_gbs"] == 50.0
+    assert [len(c) for c in calls[-2:]] == [3, 3], "the no-reuse workload after the prefix one, in the same process"
+
+
+def test_the_no_reuse_workload_alone_spawns_each_configuration_and_compares_with_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    spawned: list[tuple[str, str, dict]] = []
+
+    def spawn(config: str, workload: str, args: dict, log: str | None) -> dict:
+        spawned.append((config, workload, args))
+        rate = {"none": 10.0, "kvtier-lru": 9.95}[config]
+        return {"config": config, "workload": workload, "noreuse": {"requests_per_s": rate, "tokens": [[1]]}}
+
+    monkeypatch.setattr(serve, "_spawn", spawn)
+    args = argparse.Namespace(noreuse="4096x32", model="8b", gpu_blocks=4608, host_gib=16.0, log=None)
+    report: dict = {"device": "GPU", "vllm": "0.25.1"}
+    serve._prefix(report, args, {"lengths": "4096x16,32000x2"}, ["none", "kvtier-lru"], [], str(tmp_path))
+    assert [(c, w) for c, w, _ in spawned] == [("none", "prefix"), ("kvtier-lru", "prefix")]
+    assert all(a["lengths"] == "" for _, _, a in spawned), "no prefix turns run"
+    assert spawned[0][2]["max_model_len"] == 4096 + serve.NEW_TOKENS + serve.OUTPUT_TOKENS + serve.BLOCK
+    assert "prefix" not in report and report["noreuse"] == {"none": 10.0, "kvtier-lru": 9.95}
+    assert "kvtier-lru 9.95 (0.995)" in capsys.readouterr().out

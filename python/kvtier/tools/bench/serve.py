@@ -22,7 +22,9 @@ to the first configuration's, and the run fails loudly when they are not. Worklo
   again outside vLLM; a kvtier configuration also copies them again itself, in its process after its timed turns,
   and prints and keeps those rates: `replay`).
 - `noreuse`: prompts that share nothing, each once (stores run, nothing is ever hit); requests a second, the median
-  of the repeats, and the ms the engine's thread spent in the worker's store submit calls a run.
+  of the repeats, and the ms the engine's thread spent in the worker's store submit calls a run. `--noreuse
+  TOKENSxPROMPTS` shapes it; it runs after the prefix workload in the same processes unless `--noreuse ''`, and
+  alone when `--workloads` names `noreuse` without `prefix`.
 - `trace`: a Mooncake-format trace (by default the ten-minute excerpt of Mooncake's conversation trace that
   `kvtier bench trace` replays; the requests in file order, one at a time, one output token: a request's time is
   its time to first token), every hash id its own block of token ids, prompts capped at `--trace-max-tokens`.
@@ -99,17 +101,17 @@ def tokens(rng: Any, n: int) -> list[int]:
     return [int(t) for t in rng.integers(1000, VOCAB - 1000, size=n)]
 
 
-def parse_lengths(text: str) -> list[tuple[int, int]]:
-    """'4096x16,16384x4' -> [(4096, 16), (16384, 4)]: prefix tokens x prompts."""
+def parse_lengths(text: str, option: str = "--lengths") -> list[tuple[int, int]]:
+    """'4096x16,16384x4' -> [(4096, 16), (16384, 4)]: prefix tokens x prompts (ValueError naming ``option``)."""
     out = []
     for part in text.split(","):
         length, _, count = part.strip().partition("x")
         try:
             pair = (int(length), int(count))
         except ValueError:
-            raise ValueError(f"--lengths: {part!r} is not TOKENSxPROMPTS (e.g. 4096x16)") from None
+            raise ValueError(f"{option}: {part!r} is not TOKENSxPROMPTS (e.g. 4096x16)") from None
         if pair[0] < BLOCK or pair[1] < 1:
-            raise ValueError(f"--lengths: {part!r} needs at least {BLOCK} tokens and one prompt")
+            raise ValueError(f"{option}: {part!r} needs at least {BLOCK} tokens and one prompt")
         out.append(pair)
     return out
 
@@ -501,7 +503,7 @@ def run_prefix(hits: Hits, config: str, args: dict[str, Any], turns: str = "12")
 def run_noreuse(hits: Hits, args: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    length, count = parse_lengths(args["noreuse"])[0]
+    ((length, count),) = parse_lengths(args["noreuse"], "--noreuse")
     runs = []
     for r in range(args["repeats"]):
         rng = np.random.default_rng([length, count, 2, r])
@@ -647,13 +649,14 @@ def child(config: str, workload: str, args: dict[str, Any]) -> dict[str, Any]:
     hits.generate([list(range(1000, 1000 + 4 * BLOCK))], 2)  # warm-up
     llm.reset_prefix_cache()
     if workload == "prefix":
-        out["prefix"] = run_prefix(hits, config, args)
-        copier = getattr(offloading_worker(), "copier", None)
-        if args.get("job_ids") and copier is not None and len(getattr(copier, "group_runs", ())) == 1:
-            out["replay"] = replay_loads(copier, out["prefix"])
-            llm.reset_prefix_cache()  # the replay wrote into GPU blocks vLLM may hold cached
-        if config == "none":
-            out["memcpy_h2d_gbs"] = _memcpy_gbs()
+        if args["lengths"]:
+            out["prefix"] = run_prefix(hits, config, args)
+            copier = getattr(offloading_worker(), "copier", None)
+            if args.get("job_ids") and copier is not None and len(getattr(copier, "group_runs", ())) == 1:
+                out["replay"] = replay_loads(copier, out["prefix"])
+                llm.reset_prefix_cache()  # the replay wrote into GPU blocks vLLM may hold cached
+            if config == "none":
+                out["memcpy_h2d_gbs"] = _memcpy_gbs()
         if args.get("noreuse"):
             out["noreuse"] = run_noreuse(hits, args)
     elif workload == "trace":
@@ -862,8 +865,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "job_ids": args.job_ids,
     }
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "configs": configs}
-    if "prefix" in workloads:
-        _prefix(report, args, common, configs, lengths, work)
+    if "prefix" in workloads or "noreuse" in workloads:
+        _prefix(report, args, common, configs, lengths if "prefix" in workloads else [], work)
     if "trace" in workloads:
         report["trace"] = _trace(args, common, configs, work)
     if "l3" in workloads:
@@ -890,7 +893,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", choices=sorted(MODELS), default="8b", help="the model shape of prefix, noreuse, l3")
     ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b-8l", help="the model shape of the trace")
     ap.add_argument("--lengths", default="4096x16,16384x4,32000x2", help="prefix workload: TOKENSxPROMPTS, ...")
-    ap.add_argument("--noreuse", default="4096x32", help="the no-reuse workload's TOKENSxPROMPTS ('' skips it)")
+    ap.add_argument(
+        "--noreuse",
+        default="4096x32",
+        help="the no-reuse workload's TOKENSxPROMPTS; it runs after prefix in its processes ('' skips it), or alone",
+    )
     ap.add_argument("--repeats", type=at_least(1), default=3, help="runs of no reuse, turn 2, GPU hit (medians)")
     ap.add_argument("--host-gib", type=positive(float), default=16.0, help="host bytes of every offloading tier")
     ap.add_argument("--trace-host-gib", type=positive(float), default=8.0, help="host bytes for the trace")
@@ -924,9 +931,16 @@ def _checked(ap: argparse.ArgumentParser, args: Any) -> tuple[list[str], list[st
     """The workloads, the configurations and the prefix lengths asked for, each checked (``ap.error`` otherwise)."""
     workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
+    if not workloads:
+        ap.error(f"--workloads: name at least one of {', '.join(WORKLOADS)}")
+    if not configs:
+        ap.error(f"--configs: name at least one of {', '.join(CONFIGS)}")
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"--workloads: unknown workload {w!r} ({', '.join(WORKLOADS)})")
+    twice = sorted({c for c in configs if configs.count(c) > 1})
+    if twice:
+        ap.error(f"--configs: {twice} named more than once")
     for c in configs:
         try:
             name, _ = split_config(c)
@@ -936,12 +950,16 @@ def _checked(ap: argparse.ArgumentParser, args: Any) -> tuple[list[str], list[st
             ap.error(f"--configs: unknown configuration {name!r} ({', '.join(CONFIGS)})")
     if "prefix" in workloads and "none" not in configs:
         ap.error("--configs: the prefix workload needs 'none' (its recompute, GPU-hit and memcpy baselines)")
+    if "noreuse" in workloads and "none" not in configs:
+        ap.error("--configs: the noreuse workload needs 'none' (the throughput it is compared with)")
+    if "noreuse" in workloads and not args.noreuse:
+        ap.error("--workloads noreuse: --noreuse '' leaves it nothing to run (give TOKENSxPROMPTS)")
     if "trace" in workloads and not os.path.isfile(args.trace):
         ap.error(f"--trace: no trace file {args.trace!r}")
     try:
         lengths = parse_lengths(args.lengths)
-        if args.noreuse:
-            parse_lengths(args.noreuse)
+        if args.noreuse and len(parse_lengths(args.noreuse, "--noreuse")) > 1:
+            ap.error(f"--noreuse: {args.noreuse!r} names more than one TOKENSxPROMPTS; the workload takes one")
     except ValueError as e:
         ap.error(str(e))
     return workloads, configs, lengths
@@ -955,21 +973,27 @@ def _prefix(
     lengths: list[tuple[int, int]],
     work: str,
 ) -> None:
-    """The prefix workload (and the no-reuse one) in every configuration, into ``report``."""
-    longest = max(n for n, _ in lengths) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
+    """The prefix workload at ``lengths`` (none: the no-reuse workload alone) and the no-reuse one (unless
+    ``--noreuse ''``) in every configuration, a process each, into ``report``."""
+    noreuse = parse_lengths(args.noreuse, "--noreuse") if args.noreuse else []
+    longest = max(n for n, _ in lengths + noreuse) + NEW_TOKENS + OUTPUT_TOKENS + BLOCK
     model_dir = write_model(os.path.join(work, "prefix-model"), args.model, longest)
-    a = {**common, "model": args.model, "model_dir": model_dir, "max_model_len": longest,
-         "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib,
+    a = {**common, "lengths": ",".join(f"{n}x{c}" for n, c in lengths), "model": args.model, "model_dir": model_dir,
+         "max_model_len": longest, "gpu_blocks": args.gpu_blocks, "host_gib": args.host_gib,
          "kv_bytes": kv_bytes_per_token(args.model)}  # fmt: skip
     results = [_spawn(c, "prefix", a, args.log) for c in configs]
-    check_identical(results, _tokens_of_prefix)
+    if lengths:
+        check_identical(results, _tokens_of_prefix)
     if args.noreuse:
         check_identical(results, lambda r: r["noreuse"]["tokens"])
-    report["prefix"] = summarize_prefix(results)
-    report["memcpy_h2d_gbs"] = next(r for r in results if r["config"] == "none")["memcpy_h2d_gbs"]
-    gbs = report["memcpy_h2d_gbs"]
-    print(f"{report['device']}, vLLM {report['vllm']}, model {args.model}; host -> device memcpy {gbs:.1f} GB/s")
-    print_prefix(report["prefix"], configs)
+    line = f"{report['device']}, vLLM {report['vllm']}, model {args.model}"
+    if lengths:
+        report["prefix"] = summarize_prefix(results)
+        report["memcpy_h2d_gbs"] = next(r for r in results if r["config"] == "none")["memcpy_h2d_gbs"]
+        print(f"{line}; host -> device memcpy {report['memcpy_h2d_gbs']:.1f} GB/s")
+        print_prefix(report["prefix"], configs)
+    else:
+        print(line)
     if args.noreuse:
         report["noreuse"] = {r["config"]: r["noreuse"]["requests_per_s"] for r in results}
         print_noreuse(results)
