@@ -37,6 +37,9 @@ BAD = [
     (["--workloads", ""], "--workloads: name at least one of prefix, noreuse, trace, l3"),
     (["--configs", ","], "--configs: name at least one of none, native"),
     (["--configs", "none,native,none"], "--configs: ['none'] named more than once"),
+    (["--configs", "none,kvtier-lru:eviction_policy=adaptive"], "the configuration's name sets the eviction policy"),
+    (["--workloads", "noreuse", "--plot", "x.png"], "--plot draws the prefix and trace workloads"),
+    (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization: must be <= 1.0, got 5"),
     (["--configs", "none:copy_method=kernel"], "only kvtier's configurations take kvtier settings"),
     (["--configs", "none,kvtier-lru:kernel"], "'kernel' in 'kvtier-lru:kernel' is not SETTING=VALUE"),
     (["--think-s", "-1"], "--think-s: must be >= 0"),
@@ -457,6 +460,18 @@ def test_the_engine_log_carries_kvtiers_lines_through_vllms_logging_config(tmp_p
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/mine.json")
     serve._spawn("kvtier-lru", "prefix", {}, str(log))
     assert seen["path"] == "/etc/mine.json"
+
+
+@pytest.mark.parametrize("log", [None, "engine.log"])
+def test_a_failed_configuration_says_where_its_output_went(tmp_path: Path, monkeypatch, log: str | None) -> None:
+    import subprocess
+
+    monkeypatch.setattr(serve.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    path = str(tmp_path / log) if log else None
+    with pytest.raises(RuntimeError, match="failed with exit status 1") as failed:
+        serve._spawn("native", "prefix", {}, path)
+    assert (f"see {path}" if log else "--log FILE keeps the engine's output") in str(failed.value)
+    assert "None" not in str(failed.value)
 
 
 def test_replay_loads_copies_each_recorded_load_again_into_its_blocks() -> None:

@@ -695,19 +695,20 @@ def _spawn(config: str, workload: str, args: dict[str, Any], log: str | None) ->
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as cf:
             json.dump(engine_log_config(), cf)
         log_config = env["VLLM_LOGGING_CONFIG_PATH"] = cf.name
+    see = f"; see {log}" if log else "; --log FILE keeps the engine's output"
     with open(log or os.devnull, "a") as logf:
         logf.write(f"==== {config} {workload}\n")
         logf.flush()
         try:
             rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S, env=env).returncode
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"configuration {config} ({workload}) ran past {CHILD_TIMEOUT_S} s; see {log}") from None
+            raise RuntimeError(f"configuration {config} ({workload}) ran past {CHILD_TIMEOUT_S} s{see}") from None
         finally:
             if log_config:
                 os.unlink(log_config)
     try:
         if rc != 0:
-            raise RuntimeError(f"configuration {config} ({workload}) failed with exit status {rc}; see {log}")
+            raise RuntimeError(f"configuration {config} ({workload}) failed with exit status {rc}{see}")
         with open(result_path) as f:
             result = dict(json.load(f))
     finally:
@@ -915,7 +916,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--think-s", type=between(0, 60, float), default=1.0, help="seconds between a turn and the next")
     ap.add_argument("--trace-gpu-blocks", type=at_least(16), default=2048, help="GPU KV blocks for the trace")
-    ap.add_argument("--gpu-memory-utilization", type=positive(float), default=0.5, help="vLLM's setting")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=between(0.01, 1.0, float), default=0.5, help="vLLM's setting (0.01 to 1)"
+    )
     ap.add_argument(
         "--job-ids",
         action="store_true",
@@ -943,17 +946,23 @@ def _checked(ap: argparse.ArgumentParser, args: Any) -> tuple[list[str], list[st
         ap.error(f"--configs: {twice} named more than once")
     for c in configs:
         try:
-            name, _ = split_config(c)
+            name, settings = split_config(c)
         except ValueError as e:
             ap.error(str(e))
         if name not in CONFIGS:
             ap.error(f"--configs: unknown configuration {name!r} ({', '.join(CONFIGS)})")
+        if "eviction_policy" in settings:
+            ap.error(
+                f"--configs: {c!r}: the configuration's name sets the eviction policy (kvtier-lru, kvtier-adaptive)"
+            )
     if "prefix" in workloads and "none" not in configs:
         ap.error("--configs: the prefix workload needs 'none' (its recompute, GPU-hit and memcpy baselines)")
     if "noreuse" in workloads and "none" not in configs:
         ap.error("--configs: the noreuse workload needs 'none' (the throughput it is compared with)")
     if "noreuse" in workloads and not args.noreuse:
         ap.error("--workloads noreuse: --noreuse '' leaves it nothing to run (give TOKENSxPROMPTS)")
+    if args.plot and not {"prefix", "trace"} & set(workloads):
+        ap.error("--plot draws the prefix and trace workloads; --workloads names neither")
     if "trace" in workloads and not os.path.isfile(args.trace):
         ap.error(f"--trace: no trace file {args.trace!r}")
     try:
