@@ -63,6 +63,28 @@ def test_the_block_size_is_the_traces():
         block_size_of([Request(100, [1, 2]), Request(100, [1, 2, 3, 4, 5])])
 
 
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (
+            ["--block-size", "16"],
+            "--block-size: 16 does not give the trace's requests their numbers of hash ids (17 to",
+        ),
+        (["--block-size", "40"], "(17 to 32 tokens a block does)"),
+        (["--synthetic", "agents", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+    ],
+)
+def test_a_block_size_the_trace_was_not_made_with_is_refused(tmp_path, capsys, argv, text):
+    # Block sizes 17-32 give 33 tokens two hash ids and 16 one: any other would replay other prompts than the trace's.
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 33, "hash_ids": [1, 2]}\n{"input_length": 16, "hash_ids": [3]}\n')
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "trace", *([] if "--synthetic" in argv else [str(path)]), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and text in err and err.count("\n") == 1, err
+    assert main(["bench", "trace", str(path), "--block-size", "32", "--pools", "1k", "--json"]) == 0
+
+
 def test_a_bad_record_is_named_by_its_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_length": 10, "hash_ids": [0]}\n{"input_length": 5}\n')

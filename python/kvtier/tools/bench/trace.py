@@ -73,13 +73,19 @@ def read_trace(path: str) -> list[Request]:
     return out
 
 
-def block_size_of(trace: Sequence[Request]) -> int:
-    """The block size the trace was made with: the one that gives every request exactly its number of hash ids
-    (`ceil(input_length / block_size)`); 512 (Mooncake's) when it fits, else the smallest that does."""
+def block_sizes_of(trace: Sequence[Request]) -> tuple[int, int]:
+    """The block sizes that give every request exactly its number of hash ids (`ceil(input_length / block_size)`):
+    the trace was made with one of them, ``(low, high)``."""
     low = max(-(-r.tokens // len(r.hash_ids)) for r in trace)
     high = min(((r.tokens - 1) // (len(r.hash_ids) - 1) for r in trace if len(r.hash_ids) > 1), default=TOKEN_LIMIT)
     if low > high:
         raise ValueError("no block size gives every request its number of hash ids: not a Mooncake-format trace")
+    return low, high
+
+
+def block_size_of(trace: Sequence[Request]) -> int:
+    """The block size the trace was made with: 512 (Mooncake's) when it fits, else the smallest that does."""
+    low, high = block_sizes_of(trace)
     return 512 if low <= 512 <= high else low
 
 
@@ -298,7 +304,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--synthetic", choices=SYNTHETIC, help="replay a generated trace of this shape")
     ap.add_argument("--requests", type=at_least(1), default=12_000, help="--synthetic: requests")
-    ap.add_argument("--seed", type=int, default=1, help="--synthetic: seed")
+    ap.add_argument("--seed", type=at_least(0), default=1, help="--synthetic: seed")
     ap.add_argument("--write", metavar="PATH", help="--synthetic: also write the trace here")
     ap.add_argument("--pools", default=DEFAULT_POOLS, help="host pool sizes in tokens, comma-separated (k, M, G)")
     ap.add_argument(
@@ -329,9 +335,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.trace is not None:
         try:
             a.requests_read = read_trace(a.trace)
-            a.block_size = a.block_size or block_size_of(a.requests_read)
+            low, high = block_sizes_of(a.requests_read)
         except (OSError, ValueError) as e:
             ap.error(str(e))
+        if a.block_size is None:
+            a.block_size = block_size_of(a.requests_read)
+        elif not low <= a.block_size <= high:
+            ap.error(
+                f"argument --block-size: {a.block_size} does not give the trace's requests their numbers of hash ids "
+                f"({low if low == high else f'{low} to {high}'} tokens a block does)"
+            )
     return a
 
 
