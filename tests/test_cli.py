@@ -136,7 +136,7 @@ BAD = [
     (["soak", "--seconds", "-5"], "--seconds: must be > 0, got -5"),
     (["soak", "--seconds", "nan"], "--seconds: must be a finite number"),
     (["soak", "--fault-rate", "1.5"], "--fault-rate: must be <= 1"),
-    (["soak", "--rounds", "0"], "--rounds: must be >= 1"),
+    (["soak", "--rounds", "1"], "--rounds: must be >= 2"),
     (["bench", "index", "--repeat", "0"], "--repeat: must be >= 1"),
     (["bench", "index", "--page-slots", "-3"], "--page-slots: must be >= 1"),
     (["bench", "copy", "--mib", "0"], "--mib: must be >= 1"),

@@ -247,9 +247,12 @@ def soak(
     max_rounds: int = 10_000,
     l3: Any = None,
 ) -> Summary:
-    """Rounds after a warm-up round, until ``seconds`` are spent (None: no time budget) or ``max_rounds`` ran.
+    """A warm-up round, then rounds until ``seconds`` are spent (None: no time budget) or ``max_rounds`` ran in all
+    (at least 2: the resident memory's growth is measured over the rounds after the warm-up).
     ``l3``: a running ``kvtier.tools.mooncake.LocalMooncake`` to put the L3 tier (with injected Store faults and one
     master restart) under the same test."""
+    if max_rounds < 2:
+        raise ValueError(f"max_rounds must be >= 2 (a warm-up round and one to measure), got {max_rounds}")
     rng = random.Random(seed)
     summary = Summary()
     t0 = time.perf_counter()
@@ -268,7 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = parser("kvtier soak", __doc__)
     ap.add_argument("--seconds", type=positive(), default=30.0, help="time budget (rounds run until it is spent)")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the randomized rounds")
-    ap.add_argument("--rounds", type=at_least(1), default=10_000, help="at most this many rounds after the warm-up")
+    ap.add_argument(
+        "--rounds",
+        type=at_least(2),
+        default=10_000,
+        help="at most this many rounds, the first a warm-up (memory growth: after it)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--fault-rate", type=between(0, 1, float), default=0.05, help="chance that an injected call fails")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
