@@ -348,17 +348,17 @@ def test_every_option_has_help_and_the_description_is_whole_sentences(command, c
 
 def test_soak_says_what_bound_the_memory_growth_is_judged_against(capsys):
     level = logging.getLogger("kvtier").level
-    assert main(["soak", "--rounds", "1"]) == 0
+    assert main(["soak", "--rounds", "2"]) == 0
     assert logging.getLogger("kvtier").level == level, "the soak's quiet logging outlived it"
     line = capsys.readouterr().out.strip()
     assert "rss_bound_mib=96.0" in line and line.endswith("memory growth within its bound)"), line
-    assert main(["soak", "--rounds", "1", "--json"]) == 0
+    assert main(["soak", "--rounds", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["rss_within_bound"] is True and out["passed"] is True and out["rss_bound_mib"] == 96.0
 
 
 def test_the_library_log_on_the_command_line_has_one_prefix():
-    r = run_cli("soak", "--rounds", "1", "--fault-rate", "0.5", "--verbose")
+    r = run_cli("soak", "--rounds", "2", "--fault-rate", "0.5", "--verbose")
     assert r.returncode == 0, r.stderr
     records = [line for line in r.stderr.splitlines() if " failed (" in line]
     assert records and all(line.startswith("kvtier: ") for line in records), r.stderr
