@@ -143,7 +143,8 @@ BAD = [
     (["bench", "copy", "--page-sizes", "-4"], "--page-sizes: every value must be >= 1"),
     (["bench", "copy", "--segment-align", "24"], "--segment-align: must be a multiple of 16 bytes, got 24"),
     (["bench", "overlap", "--reps", "0"], "--reps: must be >= 1"),
-    (["bench", "overlap", "--prefix-tokens", "8"], "--prefix-tokens: must be >= 16"),
+    (["bench", "overlap", "--prefix-tokens", "16"], "--prefix-tokens: must be >= 32"),
+    (["bench", "overlap", "--prefix-tokens", "40"], "--prefix-tokens: 40 is not a multiple of the block size, 16"),
     (["bench", "overlap", "--layouts", "diagonal"], "--layouts: each must be one of layer-first, page-first"),
     (["bench", "overlap", "--method", "fast"], "--method: invalid choice"),
     (["bench", "l3", "--groups", "0"], "--groups: must be >= 1"),
@@ -311,9 +312,9 @@ def test_bench_pin_reports_when_the_pool_was_pinned(capsys):
 
 def test_bench_overlap_runs_on_the_cpu(capsys):
     """The quick CPU run of the script: every row, both layouts (whole loads only: layer-wise loads need copy
-    streams); a model with state resumes and stores with its state handle."""
+    streams), a suffix of any length; a model with state resumes and stores with its state handle."""
     argv = ["bench", "overlap", "--device", "cpu", "--model", "tiny", "--reps", "1", "--stores", "2"]
-    assert main([*argv, "--prefix-tokens", "64", "--suffix-tokens", "16", "--json"]) == 0
+    assert main([*argv, "--prefix-tokens", "64", "--suffix-tokens", "9", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ttft = [r for r in rows if r["kind"] == "ttft"]
     assert sorted(r["layout"] for r in ttft) == ["layer-first", "page-first"], rows

@@ -42,7 +42,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="medium", choices=sorted(PRESETS), help="reference engine preset")
     ap.add_argument("--device", default="cuda", help="cuda (cpu only to try the script quickly)")
     ap.add_argument("--layouts", default="layer-first,page-first", help="layer-first and/or page-first")
-    ap.add_argument("--prefix-tokens", type=at_least(BLOCK_SIZE), default=32768, help="cached prefix")
+    ap.add_argument(
+        "--prefix-tokens",
+        type=at_least(2 * BLOCK_SIZE),
+        default=32768,
+        help=f"cached prefix, whole blocks of {BLOCK_SIZE}",
+    )
     ap.add_argument("--suffix-tokens", type=at_least(1), default=2048, help="uncached suffix")
     ap.add_argument("--method", default="auto", choices=("auto", "kernel", "dma"), help="copy_method of the cache")
     ap.add_argument("--reps", type=at_least(1), default=5, help="requests timed per mode (the median is reported)")
@@ -55,6 +60,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad or not layouts:
         ap.error(f"argument --layouts: each must be one of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     args.layouts = layouts
+    if args.prefix_tokens % BLOCK_SIZE:
+        # The cache hits whole blocks (two at least, its default min_hit_tokens): the prefix must be all of its hit.
+        ap.error(f"argument --prefix-tokens: {args.prefix_tokens} is not a multiple of the block size, {BLOCK_SIZE}")
     check_environment(ap)
     import torch
 
@@ -164,7 +172,8 @@ def ttft_rows(args: argparse.Namespace, layout: str) -> list[dict[str, Any]]:
     bs = BLOCK_SIZE
     pre, suf = args.prefix_tokens, args.suffix_tokens
     blocks_per_seq = -(-(pre + suf + 1) // bs)
-    config = _config(args, layout, num_gpu_blocks=3 * blocks_per_seq, chunk_size=suf + 1024, max_batch=4)
+    chunk = -(-(suf + 1024) // bs) * bs  # the suffix's prefill in one chunk, of whole blocks
+    config = _config(args, layout, num_gpu_blocks=3 * blocks_per_seq, chunk_size=chunk, max_batch=4)
     engine = Engine(config)
     rng = np.random.default_rng(0)
     vocab = config.vocab
