@@ -29,6 +29,7 @@ import numpy as np
 LAYERS = 61
 DIRECTIONS = ("h2d", "d2h", "both")
 METHODS = ("kernel", "dma", "auto")
+LAYOUTS = ("page", "layer")
 
 
 def _sizes(text: str) -> list[int]:
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--segment-align", type=at_least(16), default=128, help="layer-first segments: a multiple of these bytes"
     )
     ap.add_argument("--crossover", type=_sizes, default=None, help="auto's crossover in bytes (default: built-in)")
-    ap.add_argument("--layouts", type=_names, default=["page", "layer"], help="page (page-first), layer (layer-first)")
+    ap.add_argument("--layouts", type=_names, default=list(LAYOUTS), help="page (page-first), layer (layer-first)")
     ap.add_argument("--directions", type=_names, default=list(DIRECTIONS), help="h2d, d2h, both")
     ap.add_argument("--mib", type=at_least(1), default=512, help="MiB moved per direction in one measurement (at most)")
     ap.add_argument("--max-pieces", type=at_least(1), default=16384, help="fewer bytes for small pieces: at most this")
@@ -101,6 +102,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, values, low in lists:
         if not values or min(values) < low:
             ap.error(f"argument --{name}: every value must be >= {low}, got {values}")
+    for name, values, allowed in (
+        ("methods", args.methods, METHODS),
+        ("layouts", args.layouts, LAYOUTS),
+        ("directions", args.directions, DIRECTIONS),
+    ):
+        if not values or not set(values) <= set(allowed) or len(set(values)) < len(values):
+            ap.error(f"argument --{name}: each of {', '.join(allowed)} at most once, got {values}")
+    if args.crossover is not None and len(args.crossover) != 1:
+        ap.error(f"argument --crossover: one size in bytes, got {args.crossover}")
+    if 0 < args.pin_gib * (1 << 30) < 2 << 20:
+        ap.error(f"argument --pin-gib: {args.pin_gib} GiB holds no 2 MiB slot (0 skips the pin run)")
     import torch
 
     if not torch.cuda.is_available():
