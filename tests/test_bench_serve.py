@@ -603,3 +603,19 @@ def test_the_no_reuse_workload_alone_spawns_each_configuration_and_compares_with
     assert spawned[0][2]["max_model_len"] == 4096 + serve.NEW_TOKENS + serve.OUTPUT_TOKENS + serve.BLOCK
     assert "prefix" not in report and report["noreuse"] == {"none": 10.0, "kvtier-lru": 9.95}
     assert "kvtier-lru 9.95 (0.995)" in capsys.readouterr().out
+
+
+def test_the_l3_workload_without_mooncake_fails_in_one_line_before_any_engine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvtier.l3.store
+
+    def missing() -> None:
+        raise ImportError("no module named 'mooncake'")
+
+    monkeypatch.setattr(kvtier.l3.store, "import_mooncake", missing)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--workloads", "prefix,l3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--workloads l3 needs Mooncake, which is not importable" in err, err
+    assert err.count("\n") == 1

@@ -889,7 +889,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"comma-separated, of {', '.join(CONFIGS)}; a kvtier one may add settings (kvtier-lru:copy_method=kernel)",
+        help=f"comma-separated, of {', '.join(CONFIGS)}; a kvtier one may add settings (kvtier-lru:copy_method=kernel);"
+        " l3 runs its own two (kvtier's Mooncake tier, none)",
     )
     ap.add_argument("--model", choices=sorted(MODELS), default="8b", help="the model shape of prefix, noreuse, l3")
     ap.add_argument("--trace-model", choices=sorted(MODELS), default="1b-8l", help="the model shape of the trace")
@@ -963,6 +964,14 @@ def _checked(ap: argparse.ArgumentParser, args: Any) -> tuple[list[str], list[st
         ap.error("--workloads noreuse: --noreuse '' leaves it nothing to run (give TOKENSxPROMPTS)")
     if args.plot and not {"prefix", "trace"} & set(workloads):
         ap.error("--plot draws the prefix and trace workloads; --workloads names neither")
+    if "l3" in workloads:
+        from kvtier.l3.store import import_mooncake
+        from kvtier.tools.cli import L3_EXTRA
+
+        try:
+            import_mooncake()
+        except ImportError as e:
+            ap.error(f"--workloads l3 needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
     if "trace" in workloads and not os.path.isfile(args.trace):
         ap.error(f"--trace: no trace file {args.trace!r}")
     try:
