@@ -123,6 +123,7 @@ def test_command_lists_answer_help(argv, capsys):
 
 BAD = [
     (["demo", "--turns", "-1"], "--turns: must be >= 1, got -1"),
+    (["demo", "--l3", "local", "--plot", "ttft.png"], "--plot draws the cache off/on run; --l3 local prints its table"),
     (["demo", "--turns", "0"], "--turns: must be >= 1, got 0"),
     (["demo", "--conversations", "0"], "--conversations: must be >= 1"),
     (["demo", "--host-mib", "0"], "--host-mib: must be >= 1"),

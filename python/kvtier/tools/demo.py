@@ -463,6 +463,8 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.l3 == "local":
         from kvtier.l3.store import import_mooncake
 
+        if args.plot:
+            ap.error("--plot draws the cache off/on run; --l3 local prints its table only")
         try:
             import_mooncake()
         except ImportError as e:
