@@ -169,6 +169,8 @@ BAD = [
     (["bench", "index", "--seed", "-1"], "--seed: must be >= 0, got -1"),
     (["bench", "vllm", "--keys", "2.5"], "--keys: not an integer: '2.5'"),
     (["bench", "vllm", "--repeat", "0"], "--repeat: must be > 0, got 0"),
+    (["bench", "vllm", "--copies", "--scheduler"], "--copies and --scheduler are two other measurements: give one"),
+    (["bench", "sglang", "--shapes", "--main-thread"], "--main-thread chooses the backends' caller"),
     (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
     (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
     (["soak", "--device", "tpu"], "EngineConfig.device 'tpu' is not a torch device"),

@@ -255,7 +255,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--main-thread", action="store_true", help="call the backends from the main thread, not from an I/O thread"
     )
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.shapes and a.main_thread:
+        ap.error("--main-thread chooses the backends' caller; --shapes calls plain Mooncake, no backend")
+    return a
 
 
 def segment_mib(a: argparse.Namespace, page_bytes: int, copies: int) -> int:

@@ -384,12 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--copy-method", choices=("auto", "kernel", "dma"), default="auto", help="the copies' method (with --copies)"
     )
     args = ap.parse_args(argv)
+    if args.copies and args.scheduler:
+        ap.error("--copies and --scheduler are two other measurements: give one")
     if args.copies:
         import torch
 
         if not torch.cuda.is_available():
-            print("kvtier bench vllm --copies needs a CUDA device")
-            return 2
+            ap.error("--copies needs a CUDA device")
         table = copies(copy_method=args.copy_method)
         if args.json:
             print(json.dumps(table, indent=2))
