@@ -131,6 +131,16 @@ def positive(kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
     return check
 
 
+def mode_options(ap: argparse.ArgumentParser, args: argparse.Namespace, mode: str, on: bool, **defaults: Any) -> None:
+    """Options that only ``mode`` reads (parsed with a None default, their help naming the real one): each given
+    without the mode is refused in one line; with it, each not given takes its default from ``defaults``."""
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not on:
+            ap.error(f"argument --{name.replace('_', '-')}: only {mode} reads it")
+
+
 def plot_file(text: str) -> str:
     """An argparse ``type``: a file matplotlib can write, checked before any work: matplotlib is importable, the
     extension names a format it saves, the folder exists and the file can be written there (by writing it: a

@@ -162,10 +162,10 @@ def trace_case(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.tools.cli import at_least, parser
+    from kvtier.tools.cli import at_least, mode_options, parser
 
     ap = parser("kvtier bench index", __doc__)
-    ap.add_argument("--tokens", type=at_least(1), default=131_072, help="prompt length of the long-prompt case")
+    ap.add_argument("--tokens", type=at_least(1), help="prompt length of the long-prompt case (default: 131072)")
     ap.add_argument("--block-size", type=at_least(1), default=None, help="tokens a page (default: 64, --trace: 16)")
     ap.add_argument(
         "--page-slots",
@@ -180,13 +180,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="timed calls a figure, the median counts (default: 200; --trace: runs, the fastest counts: 3)",
     )
     ap.add_argument("--trace", action="store_true", help="the multi-turn trace instead of one long prompt")
-    ap.add_argument("--conversations", type=at_least(1), default=16, help="--trace: conversations")
-    ap.add_argument("--turns", type=at_least(1), default=8, help="--trace: turns a conversation")
-    ap.add_argument("--system-tokens", type=at_least(1), default=2048, help="--trace: shared system prompt")
-    ap.add_argument("--turn-tokens", type=at_least(1), default=512, help="--trace: tokens each turn adds")
+    ap.add_argument("--conversations", type=at_least(1), help="--trace: conversations (default: 16)")
+    ap.add_argument("--turns", type=at_least(1), help="--trace: turns a conversation (default: 8)")
+    ap.add_argument("--system-tokens", type=at_least(1), help="--trace: shared system prompt (default: 2048)")
+    ap.add_argument("--turn-tokens", type=at_least(1), help="--trace: tokens each turn adds (default: 512)")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the prompt's (or the trace's) token ids")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
+    mode_options(ap, a, "the long-prompt case (without --trace)", not a.trace, tokens=131_072)
+    mode_options(ap, a, "--trace", a.trace, conversations=16, turns=8, system_tokens=2048, turn_tokens=512)
     if a.block_size is None:
         a.block_size = 16 if a.trace else 64
     if a.page_slots is None:

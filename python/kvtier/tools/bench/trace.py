@@ -293,7 +293,7 @@ def plot(out: dict[str, Any], path: str, name: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from kvtier.tools.cli import at_least, parser, plot_file
+    from kvtier.tools.cli import at_least, mode_options, parser, plot_file
 
     ap = parser("kvtier bench trace", __doc__.splitlines()[0])
     ap.add_argument(
@@ -303,8 +303,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "of Mooncake's FAST'25 conversation trace (or --synthetic)",
     )
     ap.add_argument("--synthetic", choices=SYNTHETIC, help="replay a generated trace of this shape")
-    ap.add_argument("--requests", type=at_least(1), default=12_000, help="--synthetic: requests")
-    ap.add_argument("--seed", type=at_least(0), default=1, help="--synthetic: seed")
+    ap.add_argument("--requests", type=at_least(1), help="--synthetic: requests (default: 12000)")
+    ap.add_argument("--seed", type=at_least(0), help="--synthetic: seed (default: 1)")
     ap.add_argument("--write", metavar="PATH", help="--synthetic: also write the trace here")
     ap.add_argument("--pools", default=DEFAULT_POOLS, help="host pool sizes in tokens, comma-separated (k, M, G)")
     ap.add_argument(
@@ -324,6 +324,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         a.trace = str(SHIPPED_TRACE)
     if a.write and not a.synthetic:
         ap.error("--write needs --synthetic")
+    mode_options(ap, a, "--synthetic", a.synthetic is not None, requests=12_000, seed=1)
     try:
         a.pools = sorted({parse_tokens(t) for t in a.pools.split(",")})
     except ValueError as e:
