@@ -141,6 +141,8 @@ BAD = [
     (["bench", "index", "--repeat", "0"], "--repeat: must be >= 1"),
     (["bench", "index", "--trace", "--tokens", "5"], "--tokens: only the long-prompt case (without --trace) reads it"),
     (["bench", "index", "--turns", "3"], "--turns: only --trace reads it"),
+    (["bench", "loop", "--tokens", "100", "--block-size", "64"], "--tokens: every length must hold two blocks of"),
+    (["bench", "loop", "--methods", "dma,dma"], "--layouts and --methods: each name once"),
     (["bench", "trace", "--requests", "10"], "--requests: only --synthetic reads it"),
     (["bench", "index", "--page-slots", "-3"], "--page-slots: must be >= 1"),
     (["bench", "copy", "--mib", "0"], "--mib: must be >= 1"),

@@ -55,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = a.methods.split(",")
     if any(m not in ("auto", "kernel", "dma") for m in methods):
         ap.error(f"--methods: each must be one of auto, kernel, dma, got {a.methods!r}")
+    if len(set(layouts)) < len(layouts) or len(set(methods)) < len(methods):
+        ap.error(f"--layouts and --methods: each name once, got {a.layouts!r} and {a.methods!r}")
+    if min(a.tokens) < 2 * a.block_size:
+        ap.error(f"--tokens: every length must hold two blocks of --block-size {a.block_size}, got {min(a.tokens)}")
     check_environment(ap)
     import torch
 
