@@ -144,6 +144,7 @@ BAD = [
     (["bench", "loop", "--tokens", "100", "--block-size", "64"], "--tokens: every length must hold two blocks of"),
     (["bench", "loop", "--methods", "dma,dma"], "--layouts and --methods: each name once"),
     (["bench", "trace", "--requests", "10"], "--requests: only --synthetic reads it"),
+    (["bench", "trace", "--pools", "100,1M"], "--pools: 100 tokens hold no block of 512"),
     (["bench", "index", "--page-slots", "-3"], "--page-slots: must be >= 1"),
     (["bench", "copy", "--mib", "0"], "--mib: must be >= 1"),
     (["bench", "copy", "--page-sizes", "-4"], "--page-sizes: every value must be >= 1"),

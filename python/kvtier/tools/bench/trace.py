@@ -346,19 +346,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"argument --block-size: {a.block_size} does not give the trace's requests their numbers of hash ids "
                 f"({low if low == high else f'{low} to {high}'} tokens a block does)"
             )
+    a.block_size = a.block_size or 512
+    small = [show_tokens(p) for p in a.pools if p < a.block_size]
+    if small:
+        ap.error(f"argument --pools: {', '.join(small)} tokens hold no block of {a.block_size}")
     return a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    bs = a.block_size
     if a.synthetic:
-        bs = a.block_size or 512
         trace = synthetic(a.synthetic, a.requests, a.seed, bs)
         name = f"synthetic {a.synthetic} (seed {a.seed})"
         if a.write:
             write_trace(a.write, trace)
     else:
-        trace, bs = a.requests_read, a.block_size
+        trace = a.requests_read
         name = os.path.basename(a.trace)
     if max(max(r.hash_ids) for r in trace) >= TOKEN_LIMIT // bs:
         print(f"kvtier bench trace: note: hash ids beyond {TOKEN_LIMIT // bs} share token ids", file=sys.stderr)
