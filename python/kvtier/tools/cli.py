@@ -207,7 +207,14 @@ def engine_config(ap: argparse.ArgumentParser, model: str, **fields: Any) -> Eng
     try:
         return EngineConfig.preset(model, **fields)
     except ValueError as e:
-        ap.error(str(e))
+        message = str(e)
+        # The field a command's option sets is named as that option (num_gpu_blocks: --gpu-blocks).
+        options = {a.dest: a.option_strings[-1] for a in ap._actions if a.option_strings}
+        for field in fields:
+            option = options.get(field) or options.get(field.removeprefix("num_"))
+            if option:
+                message = message.replace(f"EngineConfig.{field} ", f"{option} ")
+        ap.error(message)
 
 
 def log_to_stderr() -> None:

@@ -101,7 +101,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.chunk_size % self.block_size:
             raise ValueError(
-                f"EngineConfig.chunk_size {self.chunk_size!r} must be a multiple of block_size {self.block_size!r}"
+                f"EngineConfig.chunk_size {self.chunk_size!r} must be a multiple of "
+                f"EngineConfig.block_size {self.block_size!r}"
             )
 
     def _check_device(self) -> None:
