@@ -179,6 +179,8 @@ BAD = [
     (["bench", "vllm", "--copies", "--scheduler"], "--copies and --scheduler are two other measurements: give one"),
     (["bench", "sglang", "--shapes", "--main-thread"], "--main-thread chooses the backends' caller"),
     (["bench", "l3", "--master", "nohost:1"], "--master nohost:1: no Mooncake master accepts connections there"),
+    (["bench", "l3", "--segment-mib", "100"], "--segment-mib 100 is too small: this run puts 320 MiB, which needs 401"),
+    (["bench", "l3", "--master", "nohost:1", "--segment-mib", "64"], "--segment-mib sizes the holder of the master"),
     (["bench", "l3", "--master", "nohost"], "--master must be host:port, got 'nohost'"),
     (["soak", "--device", "tpu"], "--device 'tpu' is not a torch device"),
     (["bench", "trace", "t.jsonl", "--synthetic", "agents"], "give a trace file or --synthetic, not both"),

@@ -31,6 +31,19 @@ log = logging.getLogger("kvtier.l3")
 
 # The smallest segment a Mooncake client mounts.
 MIN_SEGMENT_BYTES = 16 << 20
+
+
+def segment_mib_for(puts: int, asked: int | None) -> int:
+    """The holder's segment (MiB) of a run that puts ``puts`` bytes and removes nothing: Mooncake needs room beyond
+    the bytes it holds, a quarter on top here. ``asked`` (the user's) is kept when it is enough, else ValueError."""
+    need = max(-(-puts * 5 // (4 << 20)), MIN_SEGMENT_BYTES >> 20)
+    if asked is None:
+        return need
+    if asked < need:
+        raise ValueError(f"--segment-mib {asked} is too small: this run puts {puts >> 20} MiB, which needs {need} MiB")
+    return asked
+
+
 # Starts tried, each on new ports, before LocalMooncake.start gives up.
 _START_ATTEMPTS = 3
 # How much of a process's log goes into an error message.

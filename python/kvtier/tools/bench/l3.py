@@ -38,7 +38,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--group-pages", type=at_least(1), default=4, help="pages per L3 object")
     ap.add_argument("--groups", type=at_least(1), default=16, help="groups per batch (one prompt)")
     ap.add_argument("--rounds", type=at_least(1), default=10, help="timed rounds")
-    ap.add_argument("--segment-mib", type=at_least(1), default=1024, help="holder segment when starting a master")
+    ap.add_argument(
+        "--segment-mib",
+        type=at_least(1),
+        default=None,
+        help="the holder's segment of the master this starts (default: what the run puts, nothing being removed "
+        "during a run, with a quarter to spare; a smaller one is refused)",
+    )
     ap.add_argument(
         "--zero-copy",
         action="store_true",
@@ -64,6 +70,13 @@ def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
     if a.master and not is_address(a.master):
         ap.error(f"--master must be host:port, got {a.master!r}")
+    if a.master and a.segment_mib is not None:
+        ap.error("--segment-mib sizes the holder of the master this starts; with --master none is started")
+    if not a.master:
+        try:
+            a.segment_mib = segment_mib(a)
+        except ValueError as e:
+            ap.error(str(e))
     pages = a.groups * a.group_pages
     master = a.master or "127.0.0.1:1"  # a placeholder until the local master runs
     cache_settings(
@@ -82,6 +95,18 @@ def check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         import_mooncake()
     except ImportError as e:
         ap.error(f"needs Mooncake, which is not importable ({e}): {L3_EXTRA}")
+
+
+def segment_mib(a: argparse.Namespace) -> int:
+    """The holder's segment of a run: every round puts a batch through the tier and a batch of raw objects, under
+    keys of their own, and nothing is removed; Mooncake needs room beyond the bytes it holds. Raises ValueError when
+    ``--segment-mib`` is too small for that."""
+    from kvtier._core import L3_HEADER_BYTES
+    from kvtier.tools.mooncake import segment_mib_for
+
+    return segment_mib_for(
+        2 * a.rounds * a.groups * (a.group_pages * (a.page_kib << 10) + L3_HEADER_BYTES), a.segment_mib
+    )
 
 
 @contextlib.contextmanager

@@ -266,17 +266,9 @@ def segment_mib(a: argparse.Namespace, page_bytes: int, copies: int) -> int:
     backend or object shape, and nothing is removed; Mooncake needs room beyond the bytes it holds. Raises
     ValueError when ``--segment-mib`` is too small for that."""
     from kvtier._core import L3_HEADER_BYTES
-    from kvtier.tools.mooncake import MIN_SEGMENT_BYTES
+    from kvtier.tools.mooncake import segment_mib_for
 
-    puts = copies * (a.rounds + 1) * a.pages * (page_bytes + L3_HEADER_BYTES)
-    need = max(-(-puts * 5 // (4 << 20)), MIN_SEGMENT_BYTES >> 20)  # a quarter on top of what is put, in MiB
-    if a.segment_mib is None:
-        return need
-    if a.segment_mib < need:
-        raise ValueError(
-            f"--segment-mib {a.segment_mib} is too small: this run puts {puts >> 20} MiB, which needs {need} MiB"
-        )
-    return int(a.segment_mib)
+    return segment_mib_for(copies * (a.rounds + 1) * a.pages * (page_bytes + L3_HEADER_BYTES), a.segment_mib)
 
 
 def _round(storage: Any, keys: list[str], src: Any, dst: Any) -> tuple[float, float, bool]:
