@@ -336,16 +336,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.trace is not None:
         try:
             a.requests_read = read_trace(a.trace)
-            low, high = block_sizes_of(a.requests_read)
+            if a.block_size is None:
+                a.block_size = block_size_of(a.requests_read)
+            else:
+                low, high = block_sizes_of(a.requests_read)
+                if not low <= a.block_size <= high:
+                    ap.error(
+                        f"argument --block-size: {a.block_size} does not give the trace's requests their numbers of "
+                        f"hash ids ({low if low == high else f'{low} to {high}'} tokens a block does)"
+                    )
         except (OSError, ValueError) as e:
             ap.error(str(e))
-        if a.block_size is None:
-            a.block_size = block_size_of(a.requests_read)
-        elif not low <= a.block_size <= high:
-            ap.error(
-                f"argument --block-size: {a.block_size} does not give the trace's requests their numbers of hash ids "
-                f"({low if low == high else f'{low} to {high}'} tokens a block does)"
-            )
     a.block_size = a.block_size or 512
     small = [show_tokens(p) for p in a.pools if p < a.block_size]
     if small:
