@@ -31,6 +31,11 @@ log = logging.getLogger("kvtier.l3")
 
 # The smallest segment a Mooncake client mounts.
 MIN_SEGMENT_BYTES = 16 << 20
+# Starts tried, each on new ports, before LocalMooncake.start gives up.
+_START_ATTEMPTS = 3
+# How much of a process's log goes into an error message.
+_LOG_TAIL_BYTES = 4000
+_PR_SET_PDEATHSIG = 1
 
 
 def segment_mib_for(puts: int, asked: int | None) -> int:
@@ -42,13 +47,6 @@ def segment_mib_for(puts: int, asked: int | None) -> int:
     if asked < need:
         raise ValueError(f"--segment-mib {asked} is too small: this run puts {puts >> 20} MiB, which needs {need} MiB")
     return asked
-
-
-# Starts tried, each on new ports, before LocalMooncake.start gives up.
-_START_ATTEMPTS = 3
-# How much of a process's log goes into an error message.
-_LOG_TAIL_BYTES = 4000
-_PR_SET_PDEATHSIG = 1
 
 
 class MooncakeServerError(RuntimeError):
